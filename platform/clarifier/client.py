@@ -1,0 +1,129 @@
+"""A small typed HTTP client for the Clarifier serving API.
+
+    from clarifier.client import ClarifierClient
+
+    with ClarifierClient("http://127.0.0.1:8000") as c:
+        if c.ready():
+            r = c.clarify([{"role": "user", "text": "I have a checking and a savings account"}],
+                          "how do I close it?")
+            print(r.needs_clarification, r.question)
+
+Connect errors and 502/503/504 answers are retried ``retries`` times with exponential backoff
+(``backoff * 2**attempt`` seconds); other 4xx/5xx answers raise :class:`ClarifierAPIError`
+carrying the server's ``detail``. Bodies are not validated client-side, so the server's 422
+(which names the bad field) is what you see.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import httpx
+from pydantic import BaseModel
+
+from .schema import ClarifyResponse, Passage, Turn
+
+RETRY_STATUS = frozenset({502, 503, 504})
+
+
+class ClarifierError(Exception):
+    """Base class of client errors."""
+
+
+class ClarifierAPIError(ClarifierError):
+    """The server answered with an error status; ``detail`` is its ``detail`` (or body text)."""
+
+    def __init__(self, status: int, detail: Any):
+        self.status = status
+        self.detail = detail
+        super().__init__(f"Clarifier API error {status}: {detail}")
+
+
+class ClarifierConnectionError(ClarifierError):
+    """The server could not be reached (after the configured retries)."""
+
+
+def _dump(item: Turn | Passage | Mapping[str, Any] | BaseModel) -> Any:
+    if isinstance(item, BaseModel):
+        return item.model_dump(mode="json")
+    if isinstance(item, Mapping):
+        return dict(item)
+    raise TypeError(f"expected a Turn/Passage model or a mapping, got {type(item).__name__}")
+
+
+def _detail(resp: httpx.Response) -> Any:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text
+    return body.get("detail", body) if isinstance(body, dict) else body
+
+
+class ClarifierClient:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 10.0,
+                 retries: int = 3, backoff: float = 0.2, transport: httpx.BaseTransport | None = None):
+        if retries < 0:
+            raise ValueError("retries must be >= 0")
+        self.base_url = base_url.rstrip("/")
+        self.retries = retries
+        self.backoff = backoff
+        headers = {"Accept": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._http = httpx.Client(base_url=self.base_url + "/", timeout=timeout, headers=headers,
+                                  transport=transport)
+
+    # ---- plumbing -----------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kw) -> httpx.Response:
+        """Send with retries on connect errors and 502/503/504; return the final response."""
+        attempt = 0
+        while True:
+            try:
+                resp = self._http.request(method, path.lstrip("/"), **kw)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+                if attempt >= self.retries:
+                    raise ClarifierConnectionError(
+                        f"cannot reach Clarifier at {self.base_url} after {attempt + 1} attempt(s): {exc}"
+                    ) from exc
+            else:
+                if resp.status_code not in RETRY_STATUS or attempt >= self.retries:
+                    return resp
+            time.sleep(self.backoff * (2 ** attempt))
+            attempt += 1
+
+    # ---- API ----------------------------------------------------------------------------------
+
+    def clarify(self, history: Iterable[Turn | Mapping[str, Any]], query: str,
+                passages: Iterable[Passage | Mapping[str, Any]] = ()) -> ClarifyResponse:
+        """``POST /v1/clarify``; raises ClarifierAPIError (e.g. 413, 422) with the server's detail."""
+        body = {"history": [_dump(t) for t in history], "query": query, "passages": [_dump(p) for p in passages]}
+        resp = self._request("POST", "/v1/clarify", json=body)
+        if resp.status_code != 200:
+            raise ClarifierAPIError(resp.status_code, _detail(resp))
+        return ClarifyResponse.model_validate(resp.json())
+
+    def ready(self) -> bool:
+        """True when ``/readyz`` answers 200 (one attempt, never raises)."""
+        try:
+            return self._http.get("readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def model_version(self) -> str:
+        """The served model version (from ``/readyz``); raises ClarifierAPIError when not ready."""
+        resp = self._request("GET", "/readyz")
+        if resp.status_code != 200:
+            raise ClarifierAPIError(resp.status_code, _detail(resp))
+        return resp.json()["model_version"]
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "ClarifierClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,436 @@
+"""The data job: JSONL logs / evaluation-set files -> validated, split, tokenised Parquet + manifest.
+
+    manifest = prepare(cfg)             # a Ray Data job; ray.init() is the caller's (or done here)
+    examples = load_split(cfg.data.output, "test")
+
+Stages (all Ray Data, nothing but small counts is collected in the driver):
+
+1. **read** every ``*.jsonl`` / ``*.jsonl.gz`` under ``data.input`` (folder, file or ``s3://``
+   prefix): a dataset of file paths, each file read (and gunzipped) and split into lines in
+   ``map_batches``, so every record keeps its source file and 1-based line number (a file that
+   is not valid gzip is quarantined, not fatal);
+2. **validate** each line with :func:`clarifier.data.validate.parse_line`: good lines become one
+   row per Example (a conversation log gives one per labelled user turn), bad lines become a
+   quarantine row (source, line, reason, raw);
+3. **split** by conversation: ``sha256(seed:conversation_id)`` mapped to [0, 1) against the
+   ``data.split`` fractions, so a conversation never lands in two splits;
+4. **deduplicate** exact duplicates (same history and query) with a ``groupby``; all but the
+   first (by source, line) are filtered with reason ``duplicate``;
+5. **tokenise** with :func:`clarifier.train.objective.encode_example` in an actor pool (one
+   tokenizer per actor); an example whose sequence exceeds ``data.max_length`` (its target
+   would be cut) is filtered with reason ``too_long``;
+6. **write** ``<output>/{train,dev,test}/`` Parquet, ``<output>/quarantine/`` (bad lines),
+   ``<output>/filtered/`` (valid examples that were dropped, with their reason) and finally
+   ``<output>/manifest.json``. A previous output (one with a manifest) is deleted first.
+
+Counting rules (also written into the manifest): a **row** is one non-blank input line
+(whitespace-only lines are skipped and counted as ``blank_lines``; an unreadable ``.gz`` file
+counts as one quarantined row with line 0). Every row either becomes >= 1 example or is
+quarantined: ``rows_read == rows_with_examples + quarantined``. Every example either lands in a
+split or is filtered: ``examples == sum(splits) + sum(filtered_by_reason)``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gzip
+import hashlib
+import json
+import subprocess
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+
+from .. import storage
+from ..config import ClarifierConfig
+from ..schema import Example
+from .split import assign_split
+from .validate import parse_line, quarantine_record
+
+SUFFIXES = {"jsonl": ".jsonl", "jsonl.gz": ".jsonl.gz"}
+QUARANTINE_DIR = "quarantine"
+FILTERED_DIR = "filtered"
+MANIFEST = "manifest.json"
+SPLIT_COLUMNS = [
+    "id", "conversation_id", "split", "example_json", "needs_clarification",
+    "input_ids", "labels", "loss_weights", "segment_ids", "num_tokens",
+]
+QUARANTINE_COLUMNS = ["source", "line", "reason", "raw"]
+FILTERED_COLUMNS = ["source", "line", "reason", "raw", "id", "conversation_id", "split"]
+
+# One row per file ("file": line counts), per quarantined line, or per example.
+PARSED_SCHEMA = pa.schema([
+    ("kind", pa.string()),
+    ("source", pa.string()),
+    ("line", pa.int64()),
+    ("reason", pa.string()),
+    ("raw", pa.string()),
+    ("id", pa.string()),
+    ("conversation_id", pa.string()),
+    ("split", pa.string()),
+    ("example_json", pa.string()),
+    ("needs_clarification", pa.bool_()),
+    ("dedup_key", pa.string()),
+    ("first_of_line", pa.int64()),  # 1 on the first example of a line: sum = rows with examples
+    ("n_lines", pa.int64()),
+    ("n_blank", pa.int64()),
+])
+EXAMPLE_FIELDS = ["source", "line", "id", "conversation_id", "split", "example_json", "needs_clarification", "dedup_key"]
+DEDUPED_SCHEMA = pa.schema([PARSED_SCHEMA.field(n) for n in EXAMPLE_FIELDS] + [
+    ("status", pa.string()),  # "ok" | "duplicate" | "too_long"
+    ("reason", pa.string()),
+])
+ENCODED_SCHEMA = pa.schema(list(DEDUPED_SCHEMA) + [
+    ("input_ids", pa.list_(pa.int32())),
+    ("labels", pa.list_(pa.int32())),
+    ("loss_weights", pa.list_(pa.float32())),
+    ("segment_ids", pa.list_(pa.int8())),
+    ("num_tokens", pa.int32()),
+    ("clarify", pa.int64()),
+])
+
+
+# ---- stage functions (run in Ray workers) ---------------------------------------------------
+
+
+def dedup_key(ex: Example) -> str:
+    """Identity of an example's input: its history (roles and texts) and query."""
+    payload = json.dumps([[[t.role, t.text] for t in ex.history], ex.query], ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _split_lines(data: bytes) -> list[bytes]:
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return lines
+
+
+def _read_file(filesystem, path: str) -> bytes:
+    # compression=None: the raw bytes (pyarrow would otherwise guess from the suffix); .gz is
+    # decompressed by the caller so that a corrupt file is quarantined instead of failing the job.
+    with filesystem.open_input_stream(path, compression=None) as f:
+        return f.readall()
+
+
+def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fractions: dict, max_turn_chars: int) -> pa.Table:
+    """Rows of file paths -> PARSED_SCHEMA rows (one per file, per quarantined line, per example)."""
+    rows: list[dict] = []
+    for path in batch.column("path").to_pylist():
+        source = scheme + path
+        n_lines = n_blank = 0
+        data = _read_file(filesystem, path)
+        if path.endswith(".gz"):
+            try:
+                data = gzip.decompress(data)
+            except (OSError, EOFError, ValueError, zlib.error) as exc:  # not gzip / truncated
+                q = quarantine_record(source, 0, f"cannot decompress gzip file: {exc}", b"")
+                rows.append({"kind": "quarantine", **q})
+                rows.append({"kind": "file", "source": source, "n_lines": 1, "n_blank": 0})
+                continue
+        for line_no, raw in enumerate(_split_lines(data), start=1):
+            if not raw.strip():
+                n_blank += 1
+                continue
+            n_lines += 1
+            examples, q = parse_line(raw, source, line_no, max_turn_chars)
+            if q is not None:
+                rows.append({"kind": "quarantine", **q})
+                continue
+            for k, ex in enumerate(examples):
+                rows.append({
+                    "kind": "example",
+                    "source": source,
+                    "line": line_no,
+                    "id": ex.id,
+                    "conversation_id": ex.conversation_id,
+                    "split": assign_split(ex.conversation_id, seed, fractions),
+                    "example_json": ex.model_dump_json(),
+                    "needs_clarification": ex.needs_clarification,
+                    "dedup_key": dedup_key(ex),
+                    "first_of_line": 1 if k == 0 else 0,
+                })
+        rows.append({"kind": "file", "source": source, "n_lines": n_lines, "n_blank": n_blank})
+    return pa.Table.from_pylist(rows, schema=PARSED_SCHEMA)
+
+
+def dedup_group(group: pa.Table) -> pa.Table:
+    """One group of equal ``dedup_key``: keep the first by (source, line, id), filter the rest."""
+    rows = sorted(group.select(EXAMPLE_FIELDS).to_pylist(), key=lambda r: (r["source"], r["line"], r["id"]))
+    kept = rows[0]
+    for i, r in enumerate(rows):
+        if i == 0:
+            r.update(status="ok", reason=None)
+        else:
+            conflict = " with a different label" if r["needs_clarification"] != kept["needs_clarification"] else ""
+            r.update(status="duplicate", reason=f"duplicate of {kept['id']} (same history and query{conflict})")
+    return pa.Table.from_pylist(rows, schema=DEDUPED_SCHEMA)
+
+
+class Encoder:
+    """Callable class for ``map_batches``: loads the tokenizer once per actor."""
+
+    def __init__(self, base_model: str, resolved: str, cache_dir: str | None, weights: dict,
+                 max_prompt_tokens: int, max_length: int):
+        from ..models import load_tokenizer, resolve_base_model
+        from ..prompt import PromptOptions
+        from ..train.objective import SegmentWeights
+
+        # The driver's resolved folder when this node has it, else resolve here (other node: own cache).
+        path = resolved if (Path(resolved) / "config.json").is_file() else resolve_base_model(base_model, cache_dir)
+        self.tokenizer = load_tokenizer(path)
+        self.weights = SegmentWeights(**weights)
+        self.opts = PromptOptions(max_prompt_tokens=max_prompt_tokens)
+        self.max_length = max_length
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from ..train.objective import encode_example
+
+        rows = batch.select(list(DEDUPED_SCHEMA.names)).to_pylist()
+        for r in rows:
+            r.update(input_ids=[], labels=[], loss_weights=[], segment_ids=[], num_tokens=0,
+                     clarify=int(bool(r["needs_clarification"])))
+            if r["status"] != "ok":
+                continue
+            ex = Example.model_validate_json(r["example_json"])
+            enc = encode_example(ex, self.tokenizer, self.weights, self.opts, self.max_length)
+            if enc["truncated"]:
+                r.update(status="too_long", reason=(
+                    f"prompt ({enc['prompt_len']} tokens) + target exceed data.max_length={self.max_length}"
+                ))
+                continue
+            r.update(input_ids=enc["input_ids"], labels=enc["labels"], loss_weights=enc["loss_weights"],
+                     segment_ids=enc["segment_ids"], num_tokens=len(enc["input_ids"]))
+        return pa.Table.from_pylist(rows, schema=ENCODED_SCHEMA)
+
+
+# ---- driver ---------------------------------------------------------------------------------
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def _ensure_ray():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(ignore_reinit_error=True)
+    return ray
+
+
+def _clean_output(output: str, split_names) -> None:
+    """Remove a previous job's output: everything when it has a manifest, else only our folders."""
+    if storage.exists(storage.join(output, MANIFEST)):
+        storage.delete_dir(output)
+        return
+    for sub in [*split_names, QUARANTINE_DIR, FILTERED_DIR]:
+        storage.delete_dir(storage.join(output, sub))
+
+
+def _write(ds, uri: str, columns: list[str]) -> None:
+    fs, path = storage.filesystem(uri)
+    ds.select_columns(columns).write_parquet(path, filesystem=fs)
+
+
+def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> dict:
+    """Run the data job for ``cfg`` and return the manifest (also written to ``<output>/manifest.json``)."""
+    import clarifier
+    from ray.data.aggregate import Count, CountDistinct, Sum
+    from ray.data.expressions import col
+
+    from ..models import load_tokenizer, resolve_base_model
+
+    ray = _ensure_ray()
+    d = cfg.data
+    if not d.input:
+        raise ValueError("data.input is empty: set it to a folder, file or s3:// prefix of JSONL logs")
+    if not d.output:
+        raise ValueError("data.output is empty: set it to where the Parquet splits should go")
+    storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
+    fractions = {k: float(v) for k, v in d.split.items()}
+    if not any(v > 0 for v in fractions.values()) or any(v < 0 for v in fractions.values()):
+        raise ValueError(f"data.split fractions must be >= 0 with at least one > 0 (got {d.split})")
+    if not d.formats:
+        raise ValueError("data.formats is empty: list at least one of jsonl, jsonl.gz")
+    suffixes = tuple(SUFFIXES[f] for f in d.formats)
+    files = storage.list_files(d.input, suffixes)
+    if not files:
+        raise FileNotFoundError(f"no {'/'.join(suffixes)} files under {d.input}")
+    started = _dt.datetime.now(_dt.timezone.utc)
+    progress(f"[data] {len(files)} input file(s) under {d.input}")
+
+    # Tokenizer: resolved once here (fails early, names what it is); actors resolve from the cache.
+    resolved = resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
+    if Path(resolved).is_dir():
+        resolved = str(Path(resolved).resolve())  # workers may run in another working directory
+    tok = load_tokenizer(resolved)
+    tokenizer_info = {
+        "base_model": cfg.model.base_model,
+        "resolved_path": resolved,
+        "name_or_path": getattr(tok, "name_or_path", resolved),
+        "vocab_size": len(tok),
+        "max_prompt_tokens": cfg.model.max_prompt_tokens,
+    }
+    del tok
+
+    _clean_output(d.output, fractions)
+
+    fs, _ = storage.filesystem(d.input)
+    scheme = "s3://" if storage.is_s3(d.input) else ""
+    paths = [storage.filesystem(f)[1] for f in files]
+
+    # 1-3: read, validate, split ----------------------------------------------------------
+    parsed = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=min(len(paths), 200)).map_batches(
+        parse_files,
+        batch_size=1,
+        batch_format="pyarrow",
+        fn_kwargs={"filesystem": fs, "scheme": scheme, "seed": d.seed, "fractions": fractions, "max_turn_chars": d.max_turn_chars},
+    ).materialize()
+    by_kind = {
+        r["kind"]: r
+        for r in parsed.groupby("kind", num_partitions=1).aggregate(
+            Count(alias_name="n"), Sum("n_lines", alias_name="lines"), Sum("n_blank", alias_name="blank"),
+            Sum("first_of_line", alias_name="lines_with_examples"),
+        ).take_all()
+    }
+    files_row = by_kind.get("file", {})
+    rows_read = int(files_row.get("lines") or 0)
+    blank_lines = int(files_row.get("blank") or 0)
+    quarantined = int(by_kind.get("quarantine", {}).get("n") or 0)
+    examples_n = int(by_kind.get("example", {}).get("n") or 0)
+    rows_with_examples = int(by_kind.get("example", {}).get("lines_with_examples") or 0)
+    progress(f"[data] read {rows_read} rows: {examples_n} examples from {rows_with_examples} rows, {quarantined} quarantined")
+
+    if quarantined:
+        _write(parsed.filter(expr=col("kind") == "quarantine"), storage.join(d.output, QUARANTINE_DIR), QUARANTINE_COLUMNS)
+
+    # 4-5: deduplicate, tokenise ------------------------------------------------------------
+    split_counts = {s: {"examples": 0, "clarify": 0, "conversations": 0} for s in fractions}
+    filtered: dict[str, int] = {}
+    if examples_n:
+        examples = parsed.filter(expr=col("kind") == "example").select_columns(EXAMPLE_FIELDS)
+        # A hash shuffle on the key; partitions scale with the data (200 for tiny data is slow).
+        partitions = max(1, min(64, examples_n // 20_000 + 1))
+        deduped = examples.groupby("dedup_key", num_partitions=partitions).map_groups(dedup_group, batch_format="pyarrow")
+        cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
+        encoded = deduped.map_batches(
+            Encoder,
+            fn_constructor_kwargs={
+                "base_model": cfg.model.base_model,
+                "resolved": resolved,
+                "cache_dir": cfg.model.cache_dir,
+                "weights": cfg.train.loss_weights.model_dump(),
+                "max_prompt_tokens": cfg.model.max_prompt_tokens,
+                "max_length": d.max_length,
+            },
+            batch_size=64,
+            batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cluster_cpus - 1)),
+            num_cpus=1,
+        ).materialize()
+        progress("[data] tokenised; writing splits")
+        for r in encoded.groupby(["split", "status"], num_partitions=1).aggregate(
+            Count(alias_name="n"), Sum("clarify", alias_name="clarify")
+        ).take_all():
+            if r["status"] == "ok":
+                split_counts[r["split"]]["examples"] += int(r["n"])
+                split_counts[r["split"]]["clarify"] += int(r["clarify"] or 0)
+            else:
+                filtered[r["status"]] = filtered.get(r["status"], 0) + int(r["n"])
+        kept = encoded.filter(expr=col("status") == "ok")
+        for r in kept.groupby("split", num_partitions=1).aggregate(CountDistinct("conversation_id", alias_name="conversations")).take_all():
+            split_counts[r["split"]]["conversations"] = int(r["conversations"])
+        for s, c in split_counts.items():
+            if c["examples"]:
+                _write(kept.filter(expr=col("split") == s), storage.join(d.output, s), SPLIT_COLUMNS)
+        if filtered:
+            dropped = encoded.filter(expr=col("status") != "ok").rename_columns({"example_json": "raw"})
+            _write(dropped, storage.join(d.output, FILTERED_DIR), FILTERED_COLUMNS)
+
+    kept_total = sum(c["examples"] for c in split_counts.values())
+    filtered_total = sum(filtered.values())
+    counts = {
+        "files": len(files),
+        "rows_read": rows_read,
+        "blank_lines": blank_lines,
+        "rows_with_examples": rows_with_examples,
+        "quarantined": quarantined,
+        "examples": examples_n,
+        "kept": kept_total,
+        "filtered": filtered_total,
+        "filtered_by_reason": dict(sorted(filtered.items())),
+        "splits": split_counts,
+    }
+    invariants = {
+        "rows_read == rows_with_examples + quarantined": rows_read == rows_with_examples + quarantined,
+        "examples == kept + filtered": examples_n == kept_total + filtered_total,
+    }
+    manifest = {
+        "kind": "clarifier.data",
+        "inputs": files,
+        "output": d.output,
+        "outputs": {
+            **{s: storage.join(d.output, s) for s, c in split_counts.items() if c["examples"]},
+            **({QUARANTINE_DIR: storage.join(d.output, QUARANTINE_DIR)} if quarantined else {}),
+            **({FILTERED_DIR: storage.join(d.output, FILTERED_DIR)} if filtered_total else {}),
+        },
+        "columns": SPLIT_COLUMNS,
+        "counts": counts,
+        "invariants": invariants,
+        "row_definition": (
+            "a row is one non-blank input line (blank lines are skipped and counted in blank_lines; "
+            "an unreadable .gz file counts as one quarantined row with line 0); every row becomes "
+            ">= 1 example or is quarantined, every example is kept in a split or filtered with a reason"
+        ),
+        "config": {"data": d.model_dump(mode="json"), "tokenizer": tokenizer_info},
+        "code": {"clarifier_version": clarifier.__version__, "git_commit": _git_commit()},
+        "created_at": started.isoformat(),
+        "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+    }
+    storage.write_text(storage.join(d.output, MANIFEST), json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    progress(
+        f"[data] wrote {kept_total} examples ("
+        + ", ".join(f"{s}={c['examples']}" for s, c in split_counts.items())
+        + f"), filtered {filtered_total} {counts['filtered_by_reason']}, quarantined {quarantined}"
+    )
+    if not all(invariants.values()):
+        progress(f"[data] WARNING: count invariant broken: {invariants}")
+    return manifest
+
+
+# ---- readers --------------------------------------------------------------------------------
+
+
+def read_manifest(output_uri: str) -> dict:
+    """The manifest of a finished data job (``FileNotFoundError`` when the job never finished)."""
+    uri = storage.join(output_uri, MANIFEST)
+    if not storage.exists(uri):
+        raise FileNotFoundError(f"no {MANIFEST} under {output_uri}: the data job has not finished there")
+    return json.loads(storage.read_text(uri))
+
+
+def read_split_table(output_uri: str, split: str, columns: list[str] | None = None) -> pa.Table:
+    """A split's Parquet as one Arrow table (empty table when the split has no examples)."""
+    import pyarrow.dataset as pads
+
+    fs, path = storage.filesystem(storage.join(output_uri, split))
+    if fs.get_file_info(path).type.name == "NotFound":
+        return pa.table({c: [] for c in (columns or SPLIT_COLUMNS)})
+    return pads.dataset(path, filesystem=fs, format="parquet").to_table(columns=columns)
+
+
+def load_split(output_uri: str, split: str) -> list[Example]:
+    """The Examples of one split (sorted by id), as written by :func:`prepare`."""
+    read_manifest(output_uri)  # refuse a half-written output
+    table = read_split_table(output_uri, split, ["id", "example_json"])
+    pairs = sorted(zip(table.column("id").to_pylist(), table.column("example_json").to_pylist()))
+    return [Example.model_validate_json(js) for _, js in pairs]

@@ -1,0 +1,128 @@
+"""Validate one input line: an evaluation-set Example or a ConversationLog. Pure, never raises.
+
+    examples, quarantine = parse_line(raw_line, source="logs/part-0.jsonl", line_no=17)
+
+A good line gives ``(examples, None)`` (a conversation log gives one Example per labelled user
+turn). A bad line gives ``([], record)`` with ``record = {"source", "line", "reason", "raw"}``; the
+reason names the field (``"turns[3].text has 5012 chars (> max_turn_chars=4000)"``) and ``raw`` is
+the (truncated) line as text. Line numbers are 1-based.
+
+Which shape a record is: it is a ConversationLog when it has ``turns``; otherwise an Example (the
+evaluation-set format of ``../shared/README.md``); an object with none of ``turns``, ``query``,
+``history``, ``needs_clarification`` is reported as neither.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..config import DataConfig
+from ..schema import ConversationLog, Example, describe_validation_error
+
+RAW_LIMIT = 2000  # characters of the raw line kept in a quarantine record
+ROLES = ("user", "assistant", "system")
+DEFAULT_MAX_TURN_CHARS = DataConfig.model_fields["max_turn_chars"].default
+
+_EXAMPLE_KEYS = ("query", "history", "needs_clarification")
+
+
+def _raw_text(line: str | bytes) -> str:
+    if isinstance(line, (bytes, bytearray)):
+        text = bytes(line).decode("utf-8", errors="replace")
+    else:
+        text = str(line)
+    text = text.rstrip("\r\n")
+    return text if len(text) <= RAW_LIMIT else text[:RAW_LIMIT] + f"... [{len(text)} chars]"
+
+
+def quarantine_record(source: str, line_no: int, reason: str, raw: str | bytes) -> dict:
+    return {"source": source, "line": int(line_no), "reason": reason, "raw": _raw_text(raw)}
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _describe(exc: Exception) -> str:
+    return describe_validation_error(exc).replace("Value error, ", "")
+
+
+def _check_turns(turns: Any, field: str, max_chars: int) -> str | None:
+    """Roles and sizes of a list of turns; ``None`` when fine or when pydantic will say it better."""
+    if not isinstance(turns, list):
+        return None
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            return f"{field}[{i}] must be an object with role and text (got {_type_name(t)})"
+        role = t.get("role")
+        if isinstance(role, str) and role not in ROLES:
+            return f"{field}[{i}].role {role!r} is not one of {'/'.join(ROLES)}"
+        text = t.get("text")
+        if isinstance(text, str) and len(text) > max_chars:
+            return f"{field}[{i}].text has {len(text)} chars (> max_turn_chars={max_chars})"
+    return None
+
+
+def check_record(obj: Any, max_turn_chars: int = DEFAULT_MAX_TURN_CHARS) -> tuple[list[Example], str | None]:
+    """Validate a decoded JSON value: ``(examples, None)`` or ``([], reason)``."""
+    if not isinstance(obj, dict):
+        return [], f"record is not a JSON object (got {_type_name(obj)})"
+    if "turns" in obj:
+        problem = _check_turns(obj.get("turns"), "turns", max_turn_chars)
+        if problem:
+            return [], problem
+        try:
+            log = ConversationLog.model_validate(obj)
+        except ValueError as exc:
+            return [], _describe(exc)
+        try:
+            examples = log.explode()
+        except ValueError as exc:
+            return [], str(exc).replace("Value error, ", "")
+        if not examples:
+            return [], "conversation has no labelled user turns (nothing to learn from)"
+        return examples, None
+    if not any(k in obj for k in _EXAMPLE_KEYS):
+        keys = ", ".join(sorted(map(str, obj))[:8]) or "none"
+        return [], f"record has neither 'query' (evaluation-set example) nor 'turns' (conversation log); keys: {keys}"
+    problem = _check_turns(obj.get("history"), "history", max_turn_chars)
+    if problem:
+        return [], problem
+    q = obj.get("query")
+    if isinstance(q, str) and len(q) > max_turn_chars:
+        return [], f"query has {len(q)} chars (> max_turn_chars={max_turn_chars})"
+    try:
+        return [Example.model_validate(obj)], None
+    except ValueError as exc:
+        return [], _describe(exc)
+
+
+def parse_line(
+    line: str | bytes, source: str, line_no: int, max_turn_chars: int = DEFAULT_MAX_TURN_CHARS
+) -> tuple[list[Example], dict | None]:
+    """Parse and validate one JSONL line. Never raises; see the module docstring."""
+    try:
+        if isinstance(line, (bytes, bytearray)):
+            try:
+                text = bytes(line).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return [], quarantine_record(
+                    source, line_no, f"invalid UTF-8 at byte {exc.start}: {exc.reason}", line
+                )
+        else:
+            text = line
+        text = text.lstrip("\ufeff")  # a UTF-8 BOM on the first line
+        if not text.strip():
+            return [], quarantine_record(source, line_no, "empty line", line)
+        try:
+            obj = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            msg = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            return [], quarantine_record(source, line_no, f"bad JSON: {msg}", line)
+        examples, reason = check_record(obj, max_turn_chars)
+        if reason is not None:
+            return [], quarantine_record(source, line_no, reason, line)
+        return examples, None
+    except Exception as exc:  # defensive: a validator bug must not abort a data job
+        return [], quarantine_record(source, line_no, f"unexpected validation error: {type(exc).__name__}: {exc}", line)

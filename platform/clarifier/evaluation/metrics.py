@@ -1,0 +1,354 @@
+"""Evaluation metrics for the clarification decision, the question and its grounding.
+
+Pure Python (plus ``rouge-score`` and ``sacrebleu`` for the question metrics): no Ray, no MLflow,
+no torch, so it runs anywhere the evaluation set can be read.
+
+Conventions used throughout:
+
+* The positive class is "clarify" (``needs_clarification`` true).
+* **0/0 is 0.0.** A ratio whose denominator is zero (precision with no predicted clarifications,
+  recall with no gold clarifications, over-asking with no gold-clear turns, ...) is reported as
+  ``0.0`` rather than NaN, so reports stay JSON-serialisable and comparable. Look at the counts
+  (``tp``/``fp``/``fn``/``tn``/``n``) to tell "0 because empty" from "0 because wrong".
+* Metrics that are *undefined* rather than zero -- AUROC with a single gold class, question or
+  grounding metrics over zero rows -- are ``None``.
+* ``rougeL_f`` is on a 0-1 scale; ``bleu`` and ``chrf`` keep sacrebleu's 0-100 scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from clarifier.schema import Example
+
+
+@dataclass
+class Prediction:
+    """What a model (or baseline) said about one example."""
+
+    needs_clarification: bool
+    confidence: float  # P(clarify)
+    question: str | None = None
+    grounding_turns: tuple[int, ...] = ()
+    grounding_passages: tuple[str, ...] = ()
+    valid: bool = True  # output parsed into the target format
+
+
+def _ratio(num: float, den: float) -> float:
+    """``num / den`` with the module's 0/0 = 0.0 convention."""
+    return float(num) / float(den) if den else 0.0
+
+
+def _check_same_length(a: Sequence, b: Sequence, what_a: str, what_b: str) -> None:
+    if len(a) != len(b):
+        raise ValueError(f"{what_a} and {what_b} differ in length ({len(a)} != {len(b)})")
+
+
+def _scores(scores: Sequence[float]) -> list[float]:
+    out = [float(s) for s in scores]
+    bad = [s for s in out if math.isnan(s)]
+    if bad:
+        raise ValueError("scores contain NaN")
+    return out
+
+
+# ---- decision --------------------------------------------------------------------------------
+
+
+def decision_metrics(gold: Sequence[bool], pred: Sequence[bool]) -> dict:
+    """Precision/recall/F1 of the "clarify" class, accuracy, over- and under-asking rates.
+
+    * ``over_asking_rate`` = fp / (fp + tn): share of gold-clear turns the model asked about.
+    * ``under_asking_rate`` = fn / (fn + tp): share of gold-clarify turns it answered directly
+      (``1 - recall`` whenever there is a gold-clarify turn).
+
+    Every ratio with a zero denominator is 0.0 (see module docstring); ``n == 0`` gives all zeros.
+    """
+    _check_same_length(gold, pred, "gold", "pred")
+    tp = fp = fn = tn = 0
+    for g, p in zip(gold, pred):
+        g, p = bool(g), bool(p)
+        if g and p:
+            tp += 1
+        elif p:
+            fp += 1
+        elif g:
+            fn += 1
+        else:
+            tn += 1
+    precision = _ratio(tp, tp + fp)
+    recall = _ratio(tp, tp + fn)
+    return {
+        "precision": precision,
+        "recall": recall,
+        "f1": _ratio(2 * precision * recall, precision + recall),
+        "accuracy": _ratio(tp + tn, tp + fp + fn + tn),
+        "over_asking_rate": _ratio(fp, fp + tn),
+        "under_asking_rate": _ratio(fn, fn + tp),
+        "tp": tp,
+        "fp": fp,
+        "fn": fn,
+        "tn": tn,
+        "n": tp + fp + fn + tn,
+    }
+
+
+def auroc(gold: Sequence[bool], scores: Sequence[float]) -> float | None:
+    """Area under the ROC curve of ``scores`` for the clarify class; None with a single gold class.
+
+    Computed as the Mann-Whitney U statistic with average ranks, so tied scores count one half.
+    """
+    _check_same_length(gold, scores, "gold", "scores")
+    s = _scores(scores)
+    n_pos = sum(1 for g in gold if g)
+    n_neg = len(s) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return None
+    order = sorted(range(len(s)), key=lambda i: s[i])
+    ranks = [0.0] * len(s)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and s[order[j + 1]] == s[order[i]]:
+            j += 1
+        avg = (i + j) / 2.0 + 1.0  # 1-based average rank of the tie group
+        for k in range(i, j + 1):
+            ranks[order[k]] = avg
+        i = j + 1
+    rank_sum = sum(r for r, g in zip(ranks, gold) if g)
+    u = rank_sum - n_pos * (n_pos + 1) / 2.0
+    return u / (n_pos * n_neg)
+
+
+def calibration_bins(gold: Sequence[bool], scores: Sequence[float], bins: int = 10) -> list[dict]:
+    """Equal-width confidence bins over [0, 1] for a reliability plot.
+
+    Bin ``b`` holds scores in ``[b/bins, (b+1)/bins)``; the last bin also holds 1.0. Each row has
+    ``lower``, ``upper``, ``count``, ``mean_confidence`` and ``observed_rate`` (share of gold
+    clarify); the two means are None for an empty bin. Scores must lie in [0, 1].
+    """
+    _check_same_length(gold, scores, "gold", "scores")
+    if bins < 1:
+        raise ValueError("bins must be >= 1")
+    s = _scores(scores)
+    out_of_range = [x for x in s if x < 0.0 or x > 1.0]
+    if out_of_range:
+        raise ValueError(f"calibration needs probabilities in [0, 1], got {out_of_range[0]}")
+    counts = [0] * bins
+    conf_sum = [0.0] * bins
+    pos_sum = [0] * bins
+    for g, x in zip(gold, s):
+        b = min(int(x * bins), bins - 1)
+        counts[b] += 1
+        conf_sum[b] += x
+        pos_sum[b] += 1 if g else 0
+    return [
+        {
+            "lower": b / bins,
+            "upper": (b + 1) / bins,
+            "count": counts[b],
+            "mean_confidence": conf_sum[b] / counts[b] if counts[b] else None,
+            "observed_rate": pos_sum[b] / counts[b] if counts[b] else None,
+        }
+        for b in range(bins)
+    ]
+
+
+def expected_calibration_error(gold: Sequence[bool], scores: Sequence[float], bins: int = 10) -> float:
+    """ECE: sum over equal-width bins of ``|bin| / n * |mean confidence - observed clarify rate|``.
+
+    Uses the bins of :func:`calibration_bins`; 0.0 for empty input (0/0 convention).
+    """
+    rows = calibration_bins(gold, scores, bins)
+    n = sum(r["count"] for r in rows)
+    if n == 0:
+        return 0.0
+    return sum(
+        r["count"] / n * abs(r["mean_confidence"] - r["observed_rate"]) for r in rows if r["count"]
+    )
+
+
+def threshold_sweep(gold: Sequence[bool], scores: Sequence[float]) -> list[dict]:
+    """Decision metrics at every distinct score used as threshold (clarify iff score >= t).
+
+    Rows are sorted by ascending threshold and carry ``threshold``, ``precision``, ``recall``,
+    ``f1``, ``over_asking_rate`` and the ``tp``/``fp`` counts: the points of a precision-recall
+    curve and of an over-asking-vs-recall curve. Empty input gives an empty list.
+    """
+    _check_same_length(gold, scores, "gold", "scores")
+    s = _scores(scores)
+    n_pos = sum(1 for g in gold if g)
+    n_neg = len(s) - n_pos
+    pairs = sorted(zip(s, (bool(g) for g in gold)), key=lambda p: -p[0])
+    rows: list[dict] = []
+    tp = fp = 0
+    i = 0
+    while i < len(pairs):
+        t = pairs[i][0]
+        while i < len(pairs) and pairs[i][0] == t:
+            if pairs[i][1]:
+                tp += 1
+            else:
+                fp += 1
+            i += 1
+        precision = _ratio(tp, tp + fp)
+        recall = _ratio(tp, n_pos)
+        rows.append(
+            {
+                "threshold": t,
+                "precision": precision,
+                "recall": recall,
+                "f1": _ratio(2 * precision * recall, precision + recall),
+                "over_asking_rate": _ratio(fp, n_neg),
+                "tp": tp,
+                "fp": fp,
+            }
+        )
+    rows.reverse()
+    return rows
+
+
+def pick_threshold(gold: Sequence[bool], scores: Sequence[float], max_over_asking: float) -> float:
+    """The operating threshold with the highest recall whose over-asking rate is within budget.
+
+    Candidates are the distinct scores (clarify iff score >= threshold). Over-asking and recall
+    both fall as the threshold rises, so this is the lowest threshold within the budget -- except
+    that among thresholds with the same (maximal) recall the one with the least over-asking (the
+    highest) is returned, since lowering further only adds over-asking. When even the highest
+    score over-asks beyond the budget, a threshold just above the highest score is returned
+    (never clarify: over-asking 0). Raises ValueError on empty input or a negative budget.
+    """
+    if max_over_asking < 0:
+        raise ValueError("max_over_asking must be >= 0")
+    rows = threshold_sweep(gold, scores)
+    if not rows:
+        raise ValueError("cannot pick a threshold without scores")
+    ok = [r for r in rows if r["over_asking_rate"] <= max_over_asking]
+    if not ok:
+        return math.nextafter(rows[-1]["threshold"], math.inf)
+    best_recall = max(r["recall"] for r in ok)
+    best = [r for r in ok if r["recall"] == best_recall]
+    return max(best, key=lambda r: (-r["over_asking_rate"], r["threshold"]))["threshold"]
+
+
+# ---- question --------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _rouge():
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+
+
+def question_metrics(refs: Sequence[str], hyps: Sequence[str]) -> dict:
+    """ROUGE-L F (mean over pairs, 0-1), corpus BLEU and chrF (sacrebleu, 0-100) of questions.
+
+    The caller restricts the pairs to true positives (gold and model both ask). With no pairs the
+    metrics are None and ``n`` is 0.
+    """
+    _check_same_length(refs, hyps, "refs", "hyps")
+    n = len(refs)
+    if n == 0:
+        return {"rougeL_f": None, "bleu": None, "chrf": None, "n": 0}
+    import sacrebleu
+
+    refs = [str(r) for r in refs]
+    hyps = [str(h) for h in hyps]
+    scorer = _rouge()
+    rouge = sum(scorer.score(r, h)["rougeL"].fmeasure for r, h in zip(refs, hyps)) / n
+    return {
+        "rougeL_f": rouge,
+        "bleu": float(sacrebleu.corpus_bleu(hyps, [refs]).score),
+        "chrf": float(sacrebleu.corpus_chrf(hyps, [refs]).score),
+        "n": n,
+    }
+
+
+# ---- grounding -------------------------------------------------------------------------------
+
+
+def grounding_metrics(gold_sets: Sequence[Iterable], pred_sets: Sequence[Iterable]) -> dict:
+    """Exact set match and mean set-F1 of grounding references (turn indexes or passage ids).
+
+    Only rows whose gold grounding is annotated (non-empty) are scored; ``skipped`` counts the
+    others. Set-F1 of a row with an empty prediction is 0.0. With no scored rows the metrics are
+    None.
+    """
+    _check_same_length(gold_sets, pred_sets, "gold_sets", "pred_sets")
+    em = f1 = 0.0
+    n = skipped = 0
+    for g, p in zip(gold_sets, pred_sets):
+        g, p = set(g or ()), set(p or ())
+        if not g:
+            skipped += 1
+            continue
+        n += 1
+        inter = len(g & p)
+        precision = _ratio(inter, len(p))
+        recall = _ratio(inter, len(g))
+        f1 += _ratio(2 * precision * recall, precision + recall)
+        em += 1.0 if g == p else 0.0
+    return {
+        "exact_match": em / n if n else None,
+        "f1": f1 / n if n else None,
+        "n": n,
+        "skipped": skipped,
+    }
+
+
+# ---- all together ----------------------------------------------------------------------------
+
+
+def evaluate_predictions(
+    examples: Sequence["Example"], preds: Sequence[Prediction], threshold: float | None = None
+) -> dict:
+    """All metrics of one model (or baseline) on an evaluation set.
+
+    Decisions are ``confidence >= threshold`` when ``threshold`` is given, else each prediction's
+    ``needs_clarification``. Question and grounding metrics are computed on the true positives
+    (gold clarify and predicted clarify); the question metrics additionally need a non-empty
+    predicted question (``question.missing`` counts true positives without one). Grounding of
+    turns is under ``grounding``, of passages under ``grounding_passages``.
+
+    Raises ValueError when ``examples`` and ``preds`` differ in length.
+    """
+    _check_same_length(examples, preds, "examples", "preds")
+    gold = [bool(ex.needs_clarification) for ex in examples]
+    scores = [float(p.confidence) for p in preds]
+    if threshold is None:
+        decided = [bool(p.needs_clarification) for p in preds]
+    else:
+        decided = [s >= threshold for s in scores]
+
+    tp_idx = [i for i, (g, d) in enumerate(zip(gold, decided)) if g and d]
+    q_idx = [i for i in tp_idx if (preds[i].question or "").strip()]
+    question = question_metrics(
+        [examples[i].clarifying_question or "" for i in q_idx],
+        [preds[i].question or "" for i in q_idx],
+    )
+    question["missing"] = len(tp_idx) - len(q_idx)
+
+    n = len(preds)
+    n_valid = sum(1 for p in preds if p.valid)
+    return {
+        "n": n,
+        "threshold": threshold,
+        "decision": decision_metrics(gold, decided),
+        "auroc": auroc(gold, scores),
+        "ece": expected_calibration_error(gold, scores),
+        "question": question,
+        "grounding": grounding_metrics(
+            [examples[i].grounding_turns for i in tp_idx], [preds[i].grounding_turns for i in tp_idx]
+        ),
+        "grounding_passages": grounding_metrics(
+            [examples[i].grounding_passages for i in tp_idx],
+            [preds[i].grounding_passages for i in tp_idx],
+        ),
+        "validity": _ratio(n_valid, n),
+        "n_invalid": n - n_valid,
+    }

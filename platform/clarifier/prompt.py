@@ -1,0 +1,88 @@
+"""The one prompt renderer: training, evaluation and serving format a turn identically.
+
+History turns are shown with their indexes (``[0] user: ...``) so the model can name them in its
+grounding; when the prompt is too long the *oldest* turns are dropped and the remaining ones keep
+their original indexes. Rendered through the tokenizer's chat template when it has one.
+Pure apart from calling the tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .schema import Passage, Turn
+
+SYSTEM_PROMPT = (
+    "You help a retrieval assistant decide whether the user's latest message can be answered as is, "
+    "or needs a clarifying question first because it is ambiguous given the conversation. "
+    "Reply with 'decision: answer' when it is clear. Otherwise reply with three lines: "
+    "'decision: clarify', then 'grounding: turns=<indexes> passages=<ids>' naming the earlier turns "
+    "and passages the ambiguity comes from (or none), then 'question: <one short clarifying question>'."
+)
+
+
+@dataclass(frozen=True)
+class PromptOptions:
+    max_prompt_tokens: int = 384
+    max_turn_chars: int = 600
+    max_passage_chars: int = 300
+    max_passages: int = 3
+
+
+def _clip(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def render_user_message(
+    history: list[Turn], query: str, passages: list[Passage], opts: PromptOptions, first_turn: int = 0
+) -> str:
+    """The user-side content: indexed history from ``first_turn`` on, passages, the latest message."""
+    lines: list[str] = []
+    shown = history[first_turn:]
+    if shown:
+        lines.append("Conversation so far:")
+        if first_turn:
+            lines.append(f"(turns 0-{first_turn - 1} omitted)")
+        for i, t in enumerate(shown, start=first_turn):
+            lines.append(f"[{i}] {t.role}: {_clip(t.text, opts.max_turn_chars)}")
+    else:
+        lines.append("Conversation so far: (none)")
+    if passages:
+        lines.append("Retrieved passages:")
+        for p in passages[: opts.max_passages]:
+            lines.append(f"[{p.id}] {_clip(p.text, opts.max_passage_chars)}")
+    lines.append(f"Latest user message: {_clip(query, opts.max_turn_chars)}")
+    return "\n".join(lines)
+
+
+def _messages(user: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+def _apply_template(tokenizer, user: str) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(_messages(user), tokenize=False, add_generation_prompt=True)
+    # Plain-text fallback for base models without a chat template.
+    return f"{SYSTEM_PROMPT}\n\n{user}\n\nReply:\n"
+
+
+def render_prompt(tokenizer, history, query, passages=(), opts: PromptOptions | None = None) -> str:
+    """Prompt text ending where the assistant's reply (the joint target) starts.
+
+    Drops the oldest history turns until the prompt fits ``opts.max_prompt_tokens``; if even the
+    query alone does not fit the prompt is returned anyway (the caller's tokenizer truncation and
+    length filters decide what to do with it).
+    """
+    opts = opts or PromptOptions()
+    history = list(history)
+    passages = list(passages)
+    first = 0
+    while True:
+        text = _apply_template(tokenizer, render_user_message(history, query, passages, opts, first))
+        if first >= len(history):
+            return text
+        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if n <= opts.max_prompt_tokens:
+            return text
+        first += 1

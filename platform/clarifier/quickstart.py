@@ -1,0 +1,150 @@
+"""``clarifier quickstart``: every stage, end to end, on the embedded default.
+
+local Ray + a sqlite-backed ``mlflow server`` on loopback + a local object-store folder + the real
+SmolLM2-135M-Instruct: synthetic logs -> Ray Data job -> Ray Train (DeepSpeed ZeRO-2, LoRA) ->
+evaluation with baselines -> MLflow registry (alias ``champion``) -> Ray Serve endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from .config import ClarifierConfig, load_config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "quickstart.yaml"
+
+EXAMPLE_REQUESTS = [
+    {"history": [{"role": "user", "text": "My router keeps dropping the Wi-Fi and the modem lights blink orange."},
+                 {"role": "assistant", "text": "Both devices can cause that. Have you tried restarting them?"}],
+     "query": "How do I reset it?"},
+    {"history": [{"role": "user", "text": "My router keeps dropping the Wi-Fi."},
+                 {"role": "assistant", "text": "Let's look at the router settings."}],
+     "query": "How do I reset the router to factory settings?"},
+    {"history": [], "query": "What is the annual fee of the Gold credit card?"},
+]
+
+
+def run_quickstart(workdir: str | Path = ".clarifier/quickstart", config: str | Path | None = None,
+                   overrides: list[str] | tuple[str, ...] = (), port: int | None = None, progress=print) -> dict:
+    from . import storage
+    from .services import mlflow_env, start_mlflow_server
+
+    t_all = time.time()
+    workdir = Path(workdir).expanduser().resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    store = workdir / "object-store"
+    base = [f"storage.root={workdir}", f"data.input={store / 'logs'}", f"data.output={store / 'data'}"]
+    cfg = load_config(config or DEFAULT_CONFIG, [*base, *overrides])
+    if port:
+        cfg.serve.port = port
+
+    def stage(n, title):
+        progress(f"\n== [{n}/7] {title}  (+{time.time() - t_all:.0f}s)")
+
+    for k, v in mlflow_env().items():
+        os.environ.setdefault(k, v)
+    stage(1, "local services: MLflow tracking server (sqlite) and Ray")
+    server = start_mlflow_server(workdir / "mlflow")
+    os.environ["MLFLOW_TRACKING_URI"] = server.url
+    cfg.tracking.tracking_uri = server.url
+    progress(f"MLflow: {server.url}  (UI: open it in a browser; log {server.log_path})")
+    try:
+        from .runtime import init_ray
+
+        ray = init_ray()
+        progress(f"Ray: {ray.cluster_resources().get('CPU', 0):.0f} CPUs")
+        return _pipeline(cfg, store, workdir, stage, progress, t_all)
+    finally:
+        _shutdown(progress)
+        server.stop()
+
+
+def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress, t_all) -> dict:
+    from . import storage
+    from .data.pipeline import prepare
+    from .data.synthetic import write_logs
+    from .evaluation.evaluate import evaluate
+    from .registry.registry import register_adapter
+    from .train.trainer import train
+
+    stage(2, f"synthetic conversation logs -> {store / 'logs'}")
+    storage.delete_dir(str(store / "logs"))
+    files = write_logs(str(store / "logs"), cfg.data.synthetic_conversations, seed=cfg.data.seed)
+    progress(f"wrote {cfg.data.synthetic_conversations} conversations in {len(files)} JSONL shards")
+
+    stage(3, "Ray Data: logs -> validated, split, tokenised training examples (Parquet)")
+    manifest = prepare(cfg, progress=progress)
+    c = manifest["counts"]
+    progress(f"rows read {c['rows_read']}, examples {c['examples']}, quarantined {c['quarantined']}; "
+             + ", ".join(f"{s} {v['examples']}" for s, v in c["splits"].items()))
+
+    stage(4, f"Ray Train: LoRA fine-tuning of {cfg.model.base_model} with DeepSpeed ZeRO-{cfg.train.zero_stage}")
+    tr = train(cfg, progress=progress)
+
+    stage(5, "evaluation on the held-out test split (model vs untrained base vs always-ask)")
+    report = evaluate(cfg, tr.model_dir, run_id=tr.run_id, out_dir=str(workdir / "eval"), progress=progress)
+
+    stage(6, f"MLflow registry: register and set alias {cfg.registry.alias!r}")
+    m = report["models"]["model"]["metrics"]
+    tags = {"clarifier.run_id": tr.run_id, "clarifier.base_model": cfg.model.base_model,
+            "clarifier.data": cfg.data.output, "eval.f1": m["decision"]["f1"],
+            "eval.over_asking_rate": m["decision"]["over_asking_rate"]}
+    mv = register_adapter(tr.run_id, cfg.registry.model_name, alias=cfg.registry.alias, tags=tags)
+    uri = f"models:/{cfg.registry.model_name}@{cfg.registry.alias}"
+    progress(f"registered {cfg.registry.model_name} version {mv.version}; {uri} -> v{mv.version}")
+
+    stage(7, f"Ray Serve: deploy {uri} and send example requests")
+    answers = _serve_examples(cfg, uri, progress)
+
+    summary = {
+        "seconds": round(time.time() - t_all, 1),
+        "mlflow_run_id": tr.run_id,
+        "model_version": mv.version,
+        "train_steps": tr.steps,
+        "decision_f1": {name: v["metrics"]["decision"]["f1"] for name, v in report["models"].items()},
+        "over_asking_rate": {name: v["metrics"]["decision"]["over_asking_rate"] for name, v in report["models"].items()},
+        "report": report.get("paths", {}),
+        "served": answers,
+    }
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    progress("\n== Final report (held-out synthetic test split, decision F1 of 'clarify')")
+    for name, f1 in summary["decision_f1"].items():
+        progress(f"  {name:<12} F1 {f1:.3f}   over-asking {summary['over_asking_rate'][name]:.3f}")
+    progress(f"done in {summary['seconds']:.0f}s; summary: {workdir / 'summary.json'}")
+    return summary
+
+
+def _serve_examples(cfg: ClarifierConfig, uri: str, progress) -> list[dict]:
+    from .client import ClarifierClient
+    from .serving.app import run_local
+
+    serve_cfg = cfg.serve.model_copy(update={"model_uri": uri})
+    url = run_local(serve_cfg, tracking_uri=cfg.tracking.tracking_uri)
+    progress(f"serving at {url}/v1/clarify")
+    client = ClarifierClient(url, timeout=120)
+    answers = []
+    for req in EXAMPLE_REQUESTS:
+        resp = client.clarify(req["history"], req["query"], req.get("passages", ()))
+        progress(f"  request:  {json.dumps(req)}")
+        progress(f"  response: {resp.model_dump_json()}")
+        answers.append({"request": req, "response": resp.model_dump()})
+    return answers
+
+
+def _shutdown(progress) -> None:
+    try:
+        import ray
+        from ray import serve
+
+        if ray.is_initialized():
+            try:
+                serve.shutdown()
+            except Exception:
+                pass
+            ray.shutdown()
+            progress("shut down Ray Serve and Ray")
+    except ImportError:
+        pass

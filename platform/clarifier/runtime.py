@@ -1,0 +1,47 @@
+"""Starting (or joining) Ray with the environment every worker needs."""
+
+from __future__ import annotations
+
+import os
+
+from .services import mlflow_env
+
+FORWARDED = ("MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
+             "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "CLARIFIER_CACHE",
+             "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(mlflow_env())
+    env.update({k: os.environ[k] for k in FORWARDED if k in os.environ})
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def local_cpus() -> int:
+    """Logical CPUs for a local Ray instance: the cores plus two.
+
+    Training workers each hold a whole CPU for the job's lifetime; without spare logical CPUs, Ray
+    Data's read tasks feeding them could never be scheduled on a 2-core box and training would wait
+    forever. Reading Parquet is light, so a little logical oversubscription is the right trade.
+    """
+    return (os.cpu_count() or 2) + 2
+
+
+def init_ray(num_cpus: int | None = None, quiet: bool = True):
+    """Join the cluster in ``RAY_ADDRESS`` (e.g. inside ``ray job submit``) or start a local one."""
+    import ray
+
+    for k, v in mlflow_env().items():
+        os.environ.setdefault(k, v)
+    if ray.is_initialized():
+        return ray
+    kw = {"runtime_env": {"env_vars": worker_env()}, "log_to_driver": True}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], **kw)
+    else:
+        ray.init(num_cpus=num_cpus or local_cpus(), include_dashboard=False, **kw)
+    if quiet:
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+    return ray

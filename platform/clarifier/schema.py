@@ -1,0 +1,199 @@
+"""The records Clarifier reads and writes: conversation logs, examples, serving request/response.
+
+Two input shapes are accepted by the data job (see README "Data formats"):
+
+* **Example** -- the evaluation-set format of the product contract: one user turn to decide on,
+  with its prior ``history``, optional ``passages`` and the gold decision, question and grounding.
+* **ConversationLog** -- a whole conversation; every user turn that carries a ``label`` becomes one
+  Example whose history is the turns before it.
+
+Everything here is pure pydantic: no Ray, no MLflow.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Role = Literal["user", "assistant", "system"]
+
+
+class Turn(BaseModel):
+    """One message of a conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Role
+    text: str
+
+
+class Passage(BaseModel):
+    """A retrieved passage shown with the query; ``id`` is what grounding refers to."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    text: str
+
+
+class Example(BaseModel):
+    """One decision point: the evaluation-set format (``../shared/README.md``), unknown keys ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    history: list[Turn] = Field(default_factory=list)
+    query: str
+    needs_clarification: bool
+    clarifying_question: str | None = None
+    grounding_turns: list[int] = Field(default_factory=list)
+    grounding_passages: list[str] = Field(default_factory=list)
+    passages: list[Passage] = Field(default_factory=list)
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("query")
+    @classmethod
+    def _query_not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("query is empty")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Example":
+        if self.needs_clarification and not (self.clarifying_question or "").strip():
+            raise ValueError("needs_clarification is true but clarifying_question is empty")
+        if not self.needs_clarification:
+            # The contract says the question is null for clear turns; tolerate and drop a stray one.
+            self.clarifying_question = None
+        bad = [i for i in self.grounding_turns if i < 0 or i >= len(self.history)]
+        if bad:
+            raise ValueError(
+                f"grounding_turns {bad} point outside history (history has {len(self.history)} turns)"
+            )
+        ids = {p.id for p in self.passages}
+        missing = [p for p in self.grounding_passages if p not in ids]
+        if missing:
+            raise ValueError(f"grounding_passages {missing} are not ids of the example's passages")
+        return self
+
+    @property
+    def conversation_id(self) -> str:
+        """The conversation this example came from (used to split without leakage)."""
+        return str(self.meta.get("conversation_id") or self.id)
+
+
+class TurnLabel(BaseModel):
+    """Gold annotation on a user turn of a conversation log."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    needs_clarification: bool
+    clarifying_question: str | None = None
+    grounding_turns: list[int] = Field(default_factory=list)
+    grounding_passages: list[str] = Field(default_factory=list)
+
+
+class LogTurn(Turn):
+    label: TurnLabel | None = None
+
+
+class ConversationLog(BaseModel):
+    """A logged conversation; labelled user turns become examples (see ``explode``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    conversation_id: str
+    domain: str | None = None
+    turns: list[LogTurn]
+    passages: list[Passage] = Field(default_factory=list)
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("turns")
+    @classmethod
+    def _has_turns(cls, v: list[LogTurn]) -> list[LogTurn]:
+        if not v:
+            raise ValueError("conversation has no turns")
+        return v
+
+    def explode(self) -> list[Example]:
+        """One Example per labelled user turn; raises ValueError naming the turn on bad labels."""
+        out: list[Example] = []
+        for i, turn in enumerate(self.turns):
+            if turn.label is None:
+                continue
+            if turn.role != "user":
+                raise ValueError(f"turn {i}: only user turns can carry a label (role is {turn.role!r})")
+            meta = dict(self.meta)
+            meta.update({"conversation_id": self.conversation_id, "turn_index": i})
+            if self.domain:
+                meta["domain"] = self.domain
+            try:
+                out.append(
+                    Example(
+                        id=f"{self.conversation_id}:{i}",
+                        history=[Turn(role=t.role, text=t.text) for t in self.turns[:i]],
+                        query=turn.text,
+                        passages=self.passages,
+                        meta=meta,
+                        **turn.label.model_dump(),
+                    )
+                )
+            except ValueError as exc:  # pydantic.ValidationError is a ValueError
+                raise ValueError(f"turn {i}: {_first_error(exc)}") from exc
+        return out
+
+
+def _first_error(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        errs = errors()
+        if errs:
+            e = errs[0]
+            loc = ".".join(str(x) for x in e.get("loc", ())) or "record"
+            return f"{loc}: {e.get('msg')}"
+    return str(exc)
+
+
+def describe_validation_error(exc: Exception) -> str:
+    """A one-line, human-readable reason from a pydantic error (used for quarantine reasons)."""
+    return _first_error(exc)
+
+
+# ---- serving API -----------------------------------------------------------------------------
+
+
+class ClarifyRequest(BaseModel):
+    """Body of ``POST /v1/clarify``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    history: list[Turn] = Field(default_factory=list)
+    query: str = Field(min_length=1)
+    passages: list[Passage] = Field(default_factory=list)
+
+    @field_validator("query")
+    @classmethod
+    def _query_not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("query is empty")
+        return v
+
+
+class Grounding(BaseModel):
+    turns: list[int] = Field(default_factory=list)
+    passages: list[str] = Field(default_factory=list)
+
+
+class ClarifyResponse(BaseModel):
+    """Answer of ``POST /v1/clarify``."""
+
+    needs_clarification: bool
+    confidence: float = Field(description="Model probability that the turn needs clarification.")
+    question: str | None = None
+    grounding: Grounding = Field(default_factory=Grounding)
+    model_version: str
+    valid_output: bool = Field(
+        default=True,
+        description="False when the generation did not parse; the answer then falls back to no clarification.",
+    )

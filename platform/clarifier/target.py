@@ -1,0 +1,148 @@
+"""The joint target: one string carrying the three decisions in a fixed order.
+
+    decision: clarify
+    grounding: turns=0,2 passages=p1
+    question: Which of the two routers do you mean?
+
+or, when the turn needs no clarification, just::
+
+    decision: answer
+
+The decision comes first so that it is read from the probability of a single token after the
+fixed prefix ``decision:`` (one forward pass, no decoding); grounding comes before the question so
+the question is generated conditioned on what it refers to. Pure: no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+DECISION_PREFIX = "decision:"
+CLARIFY = "clarify"
+ANSWER = "answer"
+SEGMENTS = ("decision", "grounding", "question")
+
+
+class TargetParseError(ValueError):
+    """Model output that does not follow the target format; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class JointTarget:
+    needs_clarification: bool
+    question: str | None = None
+    grounding_turns: tuple[int, ...] = field(default_factory=tuple)
+    grounding_passages: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _ids(values) -> str:
+    vals = [str(v) for v in values]
+    return ",".join(vals) if vals else "none"
+
+
+def render_segments(t: JointTarget) -> list[tuple[str, str]]:
+    """The target as ``(segment, text)`` pieces; concatenated they give ``render_target(t)``.
+
+    Segments are tokenised separately by the training objective to weight each decision's tokens.
+    """
+    if not t.needs_clarification:
+        return [("decision", f"{DECISION_PREFIX} {ANSWER}")]
+    question = _one_line(t.question or "")
+    if not question:
+        raise ValueError("a clarify target needs a non-empty question")
+    for p in t.grounding_passages:
+        if not re.fullmatch(r"[^\s,]+", p):
+            raise ValueError(f"passage id {p!r} must not contain spaces or commas")
+    return [
+        ("decision", f"{DECISION_PREFIX} {CLARIFY}\n"),
+        ("grounding", f"grounding: turns={_ids(t.grounding_turns)} passages={_ids(t.grounding_passages)}\n"),
+        ("question", f"question: {question}"),
+    ]
+
+
+def render_target(t: JointTarget) -> str:
+    return "".join(text for _, text in render_segments(t))
+
+
+def _one_line(s: str) -> str:
+    return " ".join(s.split())
+
+
+_DECISION_RE = re.compile(r"decision:\s*(\w+)\s*$")
+_GROUNDING_RE = re.compile(r"grounding:\s*turns=(\S+)\s+passages=(\S+)\s*$")
+_QUESTION_RE = re.compile(r"question:\s*(.+?)\s*$")
+
+
+def _parse_list(raw: str, what: str, as_int: bool):
+    if raw == "none":
+        return ()
+    items = raw.split(",")
+    if any(not x for x in items):
+        raise TargetParseError(f"{what} list {raw!r} has an empty item")
+    if as_int:
+        if not all(x.isdigit() for x in items):
+            raise TargetParseError(f"{what} list {raw!r} must hold turn indexes (integers)")
+        return tuple(int(x) for x in items)
+    return tuple(items)
+
+
+def parse_target(text: str, *, history_len: int | None = None, passage_ids=None) -> JointTarget:
+    """Parse model output into a JointTarget, or raise TargetParseError saying what is wrong.
+
+    With ``history_len``/``passage_ids`` the grounding is also checked against the request, so a
+    reference to a turn or passage that does not exist is reported rather than passed on.
+    """
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        raise TargetParseError("empty output")
+    m = _DECISION_RE.fullmatch(lines[0])
+    if not m:
+        raise TargetParseError(f"line 1 must be 'decision: clarify|answer', got {lines[0][:80]!r}")
+    decision = m.group(1)
+    if decision == ANSWER:
+        if len(lines) > 1:
+            raise TargetParseError("text after 'decision: answer'")
+        return JointTarget(needs_clarification=False)
+    if decision != CLARIFY:
+        raise TargetParseError(f"unknown decision {decision!r} (expected 'clarify' or 'answer')")
+    if len(lines) < 3:
+        raise TargetParseError("a clarify decision must be followed by a grounding line and a question line")
+    if len(lines) > 3:
+        raise TargetParseError(f"unexpected text after the question line: {lines[3][:80]!r}")
+    g = _GROUNDING_RE.fullmatch(lines[1])
+    if not g:
+        raise TargetParseError(f"line 2 must be 'grounding: turns=... passages=...', got {lines[1][:80]!r}")
+    turns = _parse_list(g.group(1), "turns", as_int=True)
+    passages = _parse_list(g.group(2), "passages", as_int=False)
+    q = _QUESTION_RE.fullmatch(lines[2])
+    if not q:
+        raise TargetParseError(f"line 3 must be 'question: ...', got {lines[2][:80]!r}")
+    if history_len is not None:
+        bad = [i for i in turns if i >= history_len]
+        if bad:
+            raise TargetParseError(f"grounding turns {list(bad)} do not exist (history has {history_len} turns)")
+    if passage_ids is not None:
+        known = set(passage_ids)
+        bad_p = [p for p in passages if p not in known]
+        if bad_p:
+            raise TargetParseError(f"grounding passages {bad_p} are not among the request's passages")
+    return JointTarget(True, q.group(1), turns, passages)
+
+
+def try_parse_target(text: str, **kw) -> tuple[JointTarget | None, str | None]:
+    """``(target, None)`` on success, ``(None, reason)`` on malformed output. Never raises."""
+    try:
+        return parse_target(text, **kw), None
+    except TargetParseError as exc:
+        return None, str(exc)
+
+
+def target_from_example(ex) -> JointTarget:
+    """The gold JointTarget of a ``schema.Example``."""
+    return JointTarget(
+        needs_clarification=ex.needs_clarification,
+        question=ex.clarifying_question,
+        grounding_turns=tuple(ex.grounding_turns),
+        grounding_passages=tuple(ex.grounding_passages),
+    )

@@ -1,0 +1,106 @@
+"""The joint objective: one token-weighted loss over the decision, grounding and question segments.
+
+``encode_example`` turns an Example into ``input_ids`` / ``labels`` / ``loss_weights`` (prompt
+tokens get label -100; each target token carries the weight of its segment). ``joint_loss`` is the
+weighted mean cross-entropy, returned with a per-segment breakdown for logging.
+Pure: tokenizer + torch, no Ray, no MLflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..prompt import PromptOptions, render_prompt
+from ..target import SEGMENTS, render_segments, target_from_example
+
+IGNORE = -100
+SEGMENT_IDS = {name: i + 1 for i, name in enumerate(SEGMENTS)}  # 0 = prompt / padding
+
+
+@dataclass(frozen=True)
+class SegmentWeights:
+    decision: float = 2.0
+    grounding: float = 1.0
+    question: float = 1.0
+
+    def of(self, segment: str) -> float:
+        return float(getattr(self, segment))
+
+
+def encode_example(example, tokenizer, weights: SegmentWeights, opts: PromptOptions, max_length: int) -> dict:
+    """Token ids, labels, per-token loss weights and segment ids for one Example.
+
+    The end-of-turn token after the target belongs to the last segment, so the model learns to stop.
+    Returns ``truncated=True`` when the sequence had to be cut to ``max_length`` (the target is
+    never cut silently: the data job filters such rows with that reason).
+    """
+    prompt = render_prompt(tokenizer, example.history, example.query, example.passages, opts)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = list(prompt_ids)
+    labels = [IGNORE] * len(ids)
+    w = [0.0] * len(ids)
+    seg = [0] * len(ids)
+    pieces = render_segments(target_from_example(example))
+    for k, (name, text) in enumerate(pieces):
+        piece_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if k == len(pieces) - 1 and tokenizer.eos_token_id is not None:
+            piece_ids = piece_ids + [tokenizer.eos_token_id]
+        ids += piece_ids
+        labels += piece_ids
+        w += [weights.of(name)] * len(piece_ids)
+        seg += [SEGMENT_IDS[name]] * len(piece_ids)
+    truncated = len(ids) > max_length
+    return {
+        "input_ids": ids[:max_length],
+        "labels": labels[:max_length],
+        "loss_weights": w[:max_length],
+        "segment_ids": seg[:max_length],
+        "prompt_len": len(prompt_ids),
+        "truncated": truncated,
+    }
+
+
+def collate(rows: list[dict], pad_id: int) -> dict:
+    """Right-pad a list of encoded rows into tensors."""
+    import torch
+
+    n = max(len(r["input_ids"]) for r in rows)
+
+    def pad(key, fill, dtype):
+        return torch.tensor([list(r[key]) + [fill] * (n - len(r[key])) for r in rows], dtype=dtype)
+
+    input_ids = pad("input_ids", pad_id, torch.long)
+    attn = torch.tensor([[1] * len(r["input_ids"]) + [0] * (n - len(r["input_ids"])) for r in rows])
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attn,
+        "labels": pad("labels", IGNORE, torch.long),
+        "loss_weights": pad("loss_weights", 0.0, torch.float32),
+        "segment_ids": pad("segment_ids", 0, torch.long),
+    }
+
+
+def joint_loss(logits, labels, loss_weights, segment_ids):
+    """Weighted token cross-entropy (next-token shift inside). Returns ``(loss, parts)``.
+
+    ``parts`` maps each segment to its unweighted mean token loss in this batch (for logging).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    logits = logits[:, :-1, :].float()
+    labels = labels[:, 1:]
+    weights = loss_weights[:, 1:]
+    segs = segment_ids[:, 1:]
+    tok = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE, reduction="none")
+    tok = tok.view(labels.shape)
+    mask = (labels != IGNORE).float()
+    wm = weights * mask
+    loss = (tok * wm).sum() / wm.sum().clamp_min(1e-8)
+    parts = {}
+    with torch.no_grad():
+        for name, sid in SEGMENT_IDS.items():
+            m = (segs == sid).float() * mask
+            if m.sum() > 0:
+                parts[name] = float((tok * m).sum() / m.sum())
+    return loss, parts

@@ -1,0 +1,55 @@
+from pathlib import Path
+
+import pytest
+
+from clarifier.config import ConfigError, build_config, flatten, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_shipped_configs_load():
+    for f in (ROOT / "jobs" / "configs").glob("*.yaml"):
+        cfg = load_config(f)
+        assert cfg.train.num_workers >= 1
+
+
+def test_dotted_overrides_are_typed():
+    cfg = build_config({}, ["train.max_steps=7", "model.lora.r=4", "train.use_gpu=true",
+                            "model.lora.target_modules=[q_proj,v_proj]", "train.max_minutes=1.5"])
+    assert cfg.train.max_steps == 7 and cfg.model.lora.r == 4 and cfg.train.use_gpu is True
+    assert cfg.model.lora.target_modules == ["q_proj", "v_proj"] and cfg.train.max_minutes == 1.5
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("train.max_stpes=3", "'train.max_stpes'"),
+    ("trian.max_steps=3", "'trian.max_steps'"),
+    ("train.max_steps=lots", "train.max_steps"),
+    ("train.zero_stage=5", "train.zero_stage"),
+    ("model.lora.r=0", "model.lora.r"),
+    ("train.max_steps", "key.sub=value"),
+    ("train.max_steps.x=1", "not a section"),
+])
+def test_wrong_key_or_type_names_the_key(override, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+        build_config({}, [override])
+
+
+def test_unknown_key_in_file_names_key_and_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  max_steps: 3\n  lr: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "train.lr" in str(e.value) and str(p) in str(e.value)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_flatten_gives_dotted_params():
+    flat = flatten(build_config({}, ["train.max_steps=9"]))
+    assert flat["train.max_steps"] == 9 and "model.lora.r" in flat

@@ -1,0 +1,301 @@
+"""Hand-computed checks of clarifier.evaluation.metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from clarifier.evaluation.metrics import (
+    Prediction,
+    auroc,
+    calibration_bins,
+    decision_metrics,
+    evaluate_predictions,
+    expected_calibration_error,
+    grounding_metrics,
+    pick_threshold,
+    question_metrics,
+    threshold_sweep,
+)
+from clarifier.schema import Example, Passage, Turn
+
+
+# ---- decision --------------------------------------------------------------------------------
+
+
+def test_decision_metrics_hand_computed():
+    gold = [True, True, True, False, False, False, False]
+    pred = [True, True, False, True, False, False, False]
+    m = decision_metrics(gold, pred)
+    assert (m["tp"], m["fp"], m["fn"], m["tn"], m["n"]) == (2, 1, 1, 3, 7)
+    assert m["precision"] == pytest.approx(2 / 3)
+    assert m["recall"] == pytest.approx(2 / 3)
+    assert m["f1"] == pytest.approx(2 / 3)
+    assert m["accuracy"] == pytest.approx(5 / 7)
+    assert m["over_asking_rate"] == pytest.approx(1 / 4)
+    assert m["under_asking_rate"] == pytest.approx(1 / 3)
+
+
+def test_decision_metrics_asymmetric_precision_recall():
+    m = decision_metrics([True, True, True, True, False], [True, False, False, False, True])
+    assert m["precision"] == pytest.approx(0.5)
+    assert m["recall"] == pytest.approx(0.25)
+    assert m["f1"] == pytest.approx(2 * 0.5 * 0.25 / 0.75)
+    assert m["over_asking_rate"] == pytest.approx(1.0)
+    assert m["under_asking_rate"] == pytest.approx(0.75)
+
+
+def test_decision_metrics_zero_over_zero_is_zero():
+    # never predicts clarify, no gold clarify: precision, recall, f1, under-asking are 0/0
+    m = decision_metrics([False, False], [False, False])
+    assert m["precision"] == 0.0 and m["recall"] == 0.0 and m["f1"] == 0.0
+    assert m["under_asking_rate"] == 0.0
+    assert m["over_asking_rate"] == 0.0
+    assert m["accuracy"] == 1.0
+    # only gold clarify: over-asking has no clear turns to count
+    m = decision_metrics([True, True], [True, False])
+    assert m["over_asking_rate"] == 0.0
+    assert m["precision"] == 1.0 and m["recall"] == 0.5
+    # empty input
+    m = decision_metrics([], [])
+    assert m["n"] == 0 and m["accuracy"] == 0.0 and m["f1"] == 0.0
+
+
+def test_decision_metrics_length_mismatch():
+    with pytest.raises(ValueError):
+        decision_metrics([True], [True, False])
+
+
+# ---- auroc / calibration ---------------------------------------------------------------------
+
+
+def test_auroc_hand_computed():
+    # pairs (pos, neg): (0.8,0.6) ok, (0.8,0.2) ok, (0.4,0.6) wrong, (0.4,0.2) ok -> 3/4
+    assert auroc([True, True, False, False], [0.8, 0.4, 0.6, 0.2]) == pytest.approx(0.75)
+    assert auroc([True, False], [0.9, 0.1]) == pytest.approx(1.0)
+    assert auroc([True, False], [0.1, 0.9]) == pytest.approx(0.0)
+
+
+def test_auroc_ties_count_half():
+    # (0.5,0.5) tie -> 0.5, (0.5,0.1) -> 1 ; over 2 pairs -> 0.75
+    assert auroc([True, False, False], [0.5, 0.5, 0.1]) == pytest.approx(0.75)
+
+
+def test_auroc_single_class_is_none():
+    assert auroc([True, True], [0.1, 0.9]) is None
+    assert auroc([False, False, False], [0.1, 0.2, 0.3]) is None
+    assert auroc([], []) is None
+
+
+def test_ece_hand_computed():
+    gold = [True, False, True, True]
+    scores = [0.95, 0.95, 0.15, 0.05]
+    # bin 9: conf 0.95, observed 0.5 -> |0.45| * 2/4 ; bin 1: 0.15 vs 1 -> 0.85 * 1/4 ;
+    # bin 0: 0.05 vs 1 -> 0.95 * 1/4
+    expected = 0.45 * 0.5 + 0.85 * 0.25 + 0.95 * 0.25
+    assert expected_calibration_error(gold, scores) == pytest.approx(expected)
+    # bin 1 holds 0.95, 0.95: |0.95 - 0.5| * 2/4 ; bin 0 holds 0.15, 0.05: |0.10 - 1| * 2/4
+    assert expected_calibration_error(gold, scores, bins=2) == pytest.approx(0.45 * 0.5 + 0.9 * 0.5)
+
+
+def test_ece_perfect_and_edges():
+    assert expected_calibration_error([True, False], [1.0, 0.0]) == pytest.approx(0.0)
+    assert expected_calibration_error([], []) == 0.0
+    rows = calibration_bins([True], [1.0], bins=4)
+    assert [r["count"] for r in rows] == [0, 0, 0, 1]  # 1.0 falls in the last bin
+    assert rows[0]["mean_confidence"] is None
+    with pytest.raises(ValueError):
+        expected_calibration_error([True], [1.5])
+
+
+# ---- threshold sweep / pick ------------------------------------------------------------------
+
+GOLD = [True, True, False, True, False, False]
+SCORES = [0.9, 0.8, 0.7, 0.6, 0.3, 0.1]
+
+
+def test_threshold_sweep_points():
+    rows = threshold_sweep(GOLD, SCORES)
+    assert [r["threshold"] for r in rows] == [0.1, 0.3, 0.6, 0.7, 0.8, 0.9]
+    by_t = {r["threshold"]: r for r in rows}
+    # t=0.7: predicts 0.9, 0.8, 0.7 -> tp 2, fp 1
+    assert by_t[0.7]["precision"] == pytest.approx(2 / 3)
+    assert by_t[0.7]["recall"] == pytest.approx(2 / 3)
+    assert by_t[0.7]["over_asking_rate"] == pytest.approx(1 / 3)
+    # t=0.6: tp 3, fp 1
+    assert by_t[0.6]["recall"] == pytest.approx(1.0)
+    assert by_t[0.6]["precision"] == pytest.approx(3 / 4)
+    # t=0.1: everything clarify
+    assert by_t[0.1]["over_asking_rate"] == pytest.approx(1.0)
+    assert by_t[0.9]["precision"] == pytest.approx(1.0) and by_t[0.9]["recall"] == pytest.approx(1 / 3)
+
+
+def test_threshold_sweep_groups_ties():
+    rows = threshold_sweep([True, False, True], [0.5, 0.5, 0.2])
+    assert [r["threshold"] for r in rows] == [0.2, 0.5]
+    assert rows[1]["tp"] == 1 and rows[1]["fp"] == 1
+    assert threshold_sweep([], []) == []
+
+
+def test_pick_threshold_respects_budget():
+    # budget 0: cannot include the 0.7 negative -> 0.8 (recall 2/3)
+    assert pick_threshold(GOLD, SCORES, max_over_asking=0.0) == 0.8
+    # budget 1/3: one of three negatives allowed -> 0.6 reaches recall 1
+    t = pick_threshold(GOLD, SCORES, max_over_asking=0.34)
+    assert t == 0.6
+    for budget in (0.0, 0.2, 0.34, 0.5, 0.7, 1.0):
+        t = pick_threshold(GOLD, SCORES, budget)
+        m = decision_metrics(GOLD, [s >= t for s in SCORES])
+        assert m["over_asking_rate"] <= budget
+        # no other candidate within budget has higher recall
+        best = max(r["recall"] for r in threshold_sweep(GOLD, SCORES) if r["over_asking_rate"] <= budget)
+        assert m["recall"] == pytest.approx(best)
+
+
+def test_pick_threshold_prefers_less_over_asking_at_equal_recall():
+    # all positives above all negatives: recall 1 already at 0.8, lower thresholds only over-ask
+    assert pick_threshold([True, True, False, False], [0.9, 0.8, 0.4, 0.2], max_over_asking=1.0) == 0.8
+
+
+def test_pick_threshold_nothing_within_budget_never_clarifies():
+    t = pick_threshold([True, False], [0.5, 0.9], max_over_asking=0.0)
+    assert t > 0.9
+    assert decision_metrics([True, False], [s >= t for s in (0.5, 0.9)])["over_asking_rate"] == 0.0
+    with pytest.raises(ValueError):
+        pick_threshold([], [], 0.1)
+
+
+# ---- question / grounding --------------------------------------------------------------------
+
+
+def test_question_metrics_identical_and_partial():
+    q = "which router do you mean"
+    m = question_metrics([q], [q])
+    assert m["n"] == 1
+    assert m["rougeL_f"] == pytest.approx(1.0)
+    assert m["bleu"] == pytest.approx(100.0)
+    assert m["chrf"] == pytest.approx(100.0)
+    # LCS 2 of 5 reference tokens and 2 of 2 hypothesis tokens: F = 2*1*0.4/1.4
+    m = question_metrics([q, q], [q, "Which router?"])
+    assert m["rougeL_f"] == pytest.approx((1.0 + 2 * 0.4 / 1.4) / 2)
+    assert m["n"] == 2
+    assert 0.0 < m["bleu"] < 100.0
+
+
+def test_question_metrics_disjoint_and_empty():
+    m = question_metrics(["alpha beta gamma"], ["delta epsilon zeta"])
+    assert m["rougeL_f"] == 0.0 and m["bleu"] == 0.0
+    assert question_metrics([], []) == {"rougeL_f": None, "bleu": None, "chrf": None, "n": 0}
+
+
+def test_grounding_metrics_hand_computed_and_skipped():
+    gold = [[0, 2], [1], [], [3], []]
+    pred = [[2, 0], [1, 3], [0], [], []]
+    m = grounding_metrics(gold, pred)
+    assert m["n"] == 3 and m["skipped"] == 2
+    assert m["exact_match"] == pytest.approx(1 / 3)
+    # F1 per row: 1.0 ; P=1/2 R=1 -> 2/3 ; empty pred -> 0
+    assert m["f1"] == pytest.approx((1.0 + 2 / 3 + 0.0) / 3)
+
+
+def test_grounding_metrics_all_skipped():
+    m = grounding_metrics([[], []], [[1], []])
+    assert m == {"exact_match": None, "f1": None, "n": 0, "skipped": 2}
+
+
+# ---- evaluate_predictions ----------------------------------------------------------------------
+
+
+def _ex(i, clarify, question=None, turns=(), passages=()):
+    history = [Turn(role="user", text="hi"), Turn(role="assistant", text="hello"), Turn(role="user", text="x")]
+    return Example(
+        id=f"e{i}",
+        history=history,
+        query="how do I reset it?",
+        needs_clarification=clarify,
+        clarifying_question=question,
+        grounding_turns=list(turns),
+        grounding_passages=list(passages),
+        passages=[Passage(id="p1", text="a"), Passage(id="p2", text="b")],
+    )
+
+
+Q = "which router do you mean"
+
+
+def _fixture():
+    examples = [
+        _ex(0, True, Q, turns=(0, 2), passages=("p1",)),  # TP, grounding exact
+        _ex(1, True, Q, turns=(1,)),  # TP, grounding wrong
+        _ex(2, True, Q),  # TP, no gold grounding -> skipped
+        _ex(3, True, Q, turns=(0,)),  # FN
+        _ex(4, False),  # FP
+        _ex(5, False),  # TN
+    ]
+    preds = [
+        Prediction(True, 0.9, Q, (2, 0), ("p1",)),
+        Prediction(True, 0.8, "Which router?", (2,)),
+        Prediction(True, 0.7, "", (0,)),  # TP without a question
+        Prediction(False, 0.4),
+        Prediction(True, 0.6, "something else?", (), (), valid=True),
+        Prediction(False, 0.1, valid=False),
+    ]
+    return examples, preds
+
+
+def test_evaluate_predictions_combines_everything():
+    examples, preds = _fixture()
+    m = evaluate_predictions(examples, preds)
+    d = m["decision"]
+    assert (d["tp"], d["fp"], d["fn"], d["tn"]) == (3, 1, 1, 1)
+    assert d["precision"] == pytest.approx(3 / 4) and d["recall"] == pytest.approx(3 / 4)
+    assert d["over_asking_rate"] == pytest.approx(1 / 2)
+    assert m["n"] == 6 and m["threshold"] is None
+    # AUROC: positives .9 .8 .7 .4 vs negatives .6 .1 -> wrong pair only (.4, .6): 7/8
+    assert m["auroc"] == pytest.approx(7 / 8)
+    assert m["ece"] == pytest.approx(
+        expected_calibration_error([e.needs_clarification for e in examples], [p.confidence for p in preds])
+    )
+    # question metrics only on the two TPs with a question; the third is counted as missing
+    assert m["question"]["n"] == 2 and m["question"]["missing"] == 1
+    assert m["question"]["rougeL_f"] == pytest.approx((1.0 + 2 * 0.4 / 1.4) / 2)
+    # grounding on 3 TPs: one without gold grounding is skipped; FN row (gold (0,)) not counted
+    g = m["grounding"]
+    assert g["n"] == 2 and g["skipped"] == 1
+    assert g["exact_match"] == pytest.approx(0.5)
+    assert g["f1"] == pytest.approx(0.5)
+    assert m["grounding_passages"]["n"] == 1 and m["grounding_passages"]["exact_match"] == 1.0
+    assert m["validity"] == pytest.approx(5 / 6) and m["n_invalid"] == 1
+
+
+def test_evaluate_predictions_threshold_overrides_decisions():
+    examples, preds = _fixture()
+    m = evaluate_predictions(examples, preds, threshold=0.8)  # inclusive: 0.8 clarifies
+    d = m["decision"]
+    # clarify iff confidence >= 0.8: e0, e1 only
+    assert (d["tp"], d["fp"], d["fn"], d["tn"]) == (2, 0, 2, 2)
+    assert m["threshold"] == 0.8
+    assert m["question"]["n"] == 2 and m["question"]["missing"] == 0
+    assert m["grounding"]["n"] == 2 and m["grounding"]["skipped"] == 0
+    # a threshold below every score asks everywhere, whatever needs_clarification said
+    m = evaluate_predictions(examples, preds, threshold=0.0)
+    assert m["decision"]["over_asking_rate"] == 1.0 and m["decision"]["recall"] == 1.0
+    # AUROC does not depend on the threshold
+    assert m["auroc"] == pytest.approx(7 / 8)
+
+
+def test_evaluate_predictions_length_mismatch():
+    examples, preds = _fixture()
+    with pytest.raises(ValueError):
+        evaluate_predictions(examples, preds[:-1])
+
+
+def test_metrics_module_is_pure():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, clarifier.evaluation.metrics\n"
+        "bad = [m for m in ('ray', 'mlflow', 'torch') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

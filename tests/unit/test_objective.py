@@ -1,0 +1,65 @@
+import torch
+
+from clarifier.prompt import PromptOptions, render_prompt
+from clarifier.schema import Example, Passage, Turn
+from clarifier.train.objective import IGNORE, SEGMENT_IDS, SegmentWeights, collate, encode_example, joint_loss
+
+
+def _ex(clarify=True, turns=4):
+    hist = [Turn(role="user" if i % 2 == 0 else "assistant", text=f"turn number {i} about the router and modem")
+            for i in range(turns)]
+    return Example(id="e", history=hist, query="how do I reset it?", needs_clarification=clarify,
+                   clarifying_question="The router or the modem?" if clarify else None,
+                   grounding_turns=[0] if clarify else [], passages=[Passage(id="p1", text="Reset guide")])
+
+
+def test_prompt_keeps_turn_indexes_and_drops_oldest_first(tiny_tokenizer):
+    ex = _ex(turns=12)
+    full = render_prompt(tiny_tokenizer, ex.history, ex.query, ex.passages, PromptOptions(max_prompt_tokens=10_000))
+    assert "[0] user:" in full and "[11] assistant:" in full and "[p1] Reset guide" in full
+    n_full = len(tiny_tokenizer(full)["input_ids"])
+    short = render_prompt(tiny_tokenizer, ex.history, ex.query, ex.passages, PromptOptions(max_prompt_tokens=n_full - 20))
+    assert "[0] user:" not in short and "[11] assistant:" in short and "omitted" in short
+    assert short.endswith("<|im_start|>assistant\n") and "how do I reset it?" in short
+
+
+def test_encode_masks_prompt_and_weights_segments(tiny_tokenizer):
+    w = SegmentWeights(decision=3.0, grounding=0.5, question=1.0)
+    enc = encode_example(_ex(), tiny_tokenizer, w, PromptOptions(), max_length=2048)
+    p = enc["prompt_len"]
+    assert all(x == IGNORE for x in enc["labels"][:p]) and all(x == 0.0 for x in enc["loss_weights"][:p])
+    segs = enc["segment_ids"][p:]
+    assert set(segs) == {1, 2, 3} and segs == sorted(segs)  # decision, then grounding, then question
+    weights = {s: {enc["loss_weights"][p + i] for i, x in enumerate(segs) if x == s} for s in set(segs)}
+    assert weights == {SEGMENT_IDS["decision"]: {3.0}, SEGMENT_IDS["grounding"]: {0.5}, SEGMENT_IDS["question"]: {1.0}}
+    assert enc["input_ids"][-1] == tiny_tokenizer.eos_token_id and not enc["truncated"]
+    target = tiny_tokenizer.decode(enc["input_ids"][p:], skip_special_tokens=True)
+    assert target == "decision: clarify\ngrounding: turns=0 passages=none\nquestion: The router or the modem?"
+
+
+def test_encode_negative_and_truncation(tiny_tokenizer):
+    enc = encode_example(_ex(clarify=False), tiny_tokenizer, SegmentWeights(), PromptOptions(), max_length=2048)
+    assert set(enc["segment_ids"][enc["prompt_len"]:]) == {SEGMENT_IDS["decision"]}
+    short = encode_example(_ex(), tiny_tokenizer, SegmentWeights(), PromptOptions(), max_length=enc["prompt_len"] + 2)
+    assert short["truncated"] and len(short["input_ids"]) == enc["prompt_len"] + 2
+
+
+def test_joint_loss_weights_and_parts():
+    torch.manual_seed(0)
+    rows = [{"input_ids": [5, 6, 7, 8], "labels": [IGNORE, 6, 7, 8], "loss_weights": [0, 2.0, 1.0, 1.0],
+             "segment_ids": [0, 1, 2, 3]},
+            {"input_ids": [5, 6], "labels": [IGNORE, 6], "loss_weights": [0, 2.0], "segment_ids": [0, 1]}]
+    b = collate(rows, pad_id=0)
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]] and b["labels"][1, 2] == IGNORE
+    logits = torch.randn(2, 4, 10)
+    loss, parts = joint_loss(logits, b["labels"], b["loss_weights"], b["segment_ids"])
+    ce = torch.nn.functional.cross_entropy
+    tok = {(0, 1): ce(logits[0, 0:1], torch.tensor([6])), (0, 2): ce(logits[0, 1:2], torch.tensor([7])),
+           (0, 3): ce(logits[0, 2:3], torch.tensor([8])), (1, 1): ce(logits[1, 0:1], torch.tensor([6]))}
+    expected = (2 * tok[(0, 1)] + tok[(0, 2)] + tok[(0, 3)] + 2 * tok[(1, 1)]) / 6
+    assert torch.allclose(loss, expected, atol=1e-5)
+    assert abs(parts["decision"] - float((tok[(0, 1)] + tok[(1, 1)]) / 2)) < 1e-5
+    # Zero weight on a segment removes it from the gradient signal.
+    b["loss_weights"][0, 2] = 0.0
+    loss2, _ = joint_loss(logits, b["labels"], b["loss_weights"], b["segment_ids"])
+    assert torch.allclose(loss2, (2 * tok[(0, 1)] + tok[(0, 3)] + 2 * tok[(1, 1)]) / 5, atol=1e-5)

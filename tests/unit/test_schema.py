@@ -1,0 +1,80 @@
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from clarifier.schema import ClarifyRequest, ConversationLog, Example
+
+SHARED_EXAMPLE = {
+    "id": "abc-1",
+    "history": [{"role": "user", "text": "..."}, {"role": "assistant", "text": "..."}],
+    "query": "the user's latest message",
+    "needs_clarification": True,
+    "clarifying_question": "Which of the two contracts do you mean?",
+    "grounding_turns": [0, 1],
+    "passages": [{"id": "p1", "text": "..."}],
+    "meta": {},
+}
+
+
+def test_accepts_the_shared_evaluation_format_and_ignores_unknown_keys():
+    ex = Example.model_validate({**SHARED_EXAMPLE, "extra_key": 1})
+    assert ex.grounding_turns == [0, 1] and ex.passages[0].id == "p1"
+    minimal = Example.model_validate({"id": "x", "history": [], "query": "q", "needs_clarification": False,
+                                      "clarifying_question": None, "grounding_turns": []})
+    assert minimal.passages == [] and minimal.meta == {}
+
+
+def test_shared_readme_example_parses():
+    readme = Path(__file__).resolve().parents[3] / "shared" / "README.md"
+    if not readme.is_file():
+        pytest.skip("../shared not present")
+    block = readme.read_text().split("```json", 1)[1].split("```", 1)[0]
+    assert Example.model_validate(json.loads(block)).needs_clarification is True
+
+
+@pytest.mark.parametrize("patch,fragment", [
+    ({"query": "   "}, "query is empty"),
+    ({"grounding_turns": [0, 7]}, "outside history"),
+    ({"clarifying_question": None}, "clarifying_question is empty"),
+    ({"history": [{"role": "bot", "text": "x"}]}, "role"),
+    ({"needs_clarification": "maybe"}, "needs_clarification"),
+])
+def test_invalid_examples_name_the_problem(patch, fragment):
+    with pytest.raises(ValidationError, match=fragment):
+        Example.model_validate({**SHARED_EXAMPLE, **patch})
+
+
+def test_conversation_log_explodes_labelled_user_turns():
+    log = ConversationLog.model_validate({
+        "conversation_id": "c1", "domain": "devices",
+        "turns": [
+            {"role": "user", "text": "I have a router and a modem.", "label": {"needs_clarification": False}},
+            {"role": "assistant", "text": "OK."},
+            {"role": "user", "text": "How do I reset it?",
+             "label": {"needs_clarification": True, "clarifying_question": "The router or the modem?",
+                       "grounding_turns": [0]}},
+        ]})
+    exs = log.explode()
+    assert [e.id for e in exs] == ["c1:0", "c1:2"]
+    assert exs[0].history == [] and len(exs[1].history) == 2
+    assert exs[1].conversation_id == "c1" and exs[1].meta["domain"] == "devices"
+
+
+def test_conversation_log_bad_label_names_the_turn():
+    log = ConversationLog.model_validate({
+        "conversation_id": "c1",
+        "turns": [{"role": "user", "text": "hi"},
+                  {"role": "user", "text": "reset it", "label": {"needs_clarification": True,
+                                                                 "clarifying_question": "which?",
+                                                                 "grounding_turns": [4]}}]})
+    with pytest.raises(ValueError, match="turn 1"):
+        log.explode()
+
+
+def test_clarify_request_rejects_unknown_fields_and_blank_query():
+    with pytest.raises(ValidationError):
+        ClarifyRequest.model_validate({"query": "x", "histroy": []})
+    with pytest.raises(ValidationError, match="query"):
+        ClarifyRequest.model_validate({"query": "  "})
