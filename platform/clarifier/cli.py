@@ -21,7 +21,7 @@ data_app = typer.Typer(no_args_is_help=True, help="Data jobs: synthetic logs, pr
 models_app = typer.Typer(no_args_is_help=True, help="MLflow model registry: register, promote, list.")
 app.add_typer(data_app, name="data")
 app.add_typer(models_app, name="models")
-console = Console(highlight=False)
+console = Console(highlight=False, soft_wrap=True)
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (see jobs/configs/).")
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. train.max_steps=20 model.lora.r=8")
@@ -76,12 +76,24 @@ def data_synth(out: str = typer.Option(..., help="Folder or s3:// prefix for JSO
 
 
 @data_app.command("prepare")
-def data_prepare(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+def data_prepare(config: Optional[Path] = ConfigOpt,
+                 synthetic: bool = typer.Option(False, help="First write data.synthetic_conversations synthetic logs to data.input."),
+                 overrides: Optional[list[str]] = OverridesArg):
     """Ray Data job: logs -> validated, split, tokenised Parquet + quarantine + manifest."""
+    from . import storage
     from .data.pipeline import prepare
     from .runtime import init_ray
 
     cfg = _cfg(config, overrides)
+    storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
+    if synthetic:
+        from .data.synthetic import write_logs
+
+        if not cfg.data.input:
+            console.print("[red]--synthetic needs data.input (where to write the logs)[/red]")
+            raise typer.Exit(2)
+        files = write_logs(cfg.data.input, cfg.data.synthetic_conversations, seed=cfg.data.seed)
+        _say(f"[data] wrote {cfg.data.synthetic_conversations} synthetic conversations to {len(files)} files")
     init_ray()
     manifest = prepare(cfg, progress=_say)
     _say(json.dumps(manifest["counts"], indent=2))

@@ -59,6 +59,7 @@ class LossWeights(_Strict):
     decision: float = Field(2.0, ge=0)
     grounding: float = Field(1.0, ge=0)
     question: float = Field(1.0, ge=0)
+    format: float = Field(0.5, ge=0, description="Weight of the fixed 'decision:' prefix tokens.")
 
 
 class TrainConfig(_Strict):
@@ -82,7 +83,9 @@ class TrainConfig(_Strict):
 
 class EvalConfig(_Strict):
     split: str = "test"
-    threshold: float = Field(0.5, ge=0, le=1)
+    threshold: float = Field(0.5, ge=0, le=1, description="Decision threshold until calibrated.")
+    calibration_split: str | None = Field("dev", description="Split used to calibrate the threshold after training; null = keep eval.threshold.")
+    max_over_asking: float | None = Field(None, ge=0, le=1, description="Calibrate for best recall within this over-asking budget instead of max F1.")
     max_examples: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(48, ge=1)
     batch_size: int = Field(8, ge=1)

@@ -13,11 +13,9 @@ from dataclasses import dataclass
 from .schema import Passage, Turn
 
 SYSTEM_PROMPT = (
-    "You help a retrieval assistant decide whether the user's latest message can be answered as is, "
-    "or needs a clarifying question first because it is ambiguous given the conversation. "
-    "Reply with 'decision: answer' when it is clear. Otherwise reply with three lines: "
-    "'decision: clarify', then 'grounding: turns=<indexes> passages=<ids>' naming the earlier turns "
-    "and passages the ambiguity comes from (or none), then 'question: <one short clarifying question>'."
+    "Decide if the latest user message is clear given the conversation, or needs a clarifying question. "
+    "Reply 'decision: answer' if clear; else 'decision: clarify', then 'grounding: turns=<indexes> "
+    "passages=<ids>', then 'question: <question>'."
 )
 
 

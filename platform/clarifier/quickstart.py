@@ -16,15 +16,7 @@ from .config import ClarifierConfig, load_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "quickstart.yaml"
 
-EXAMPLE_REQUESTS = [
-    {"history": [{"role": "user", "text": "My router keeps dropping the Wi-Fi and the modem lights blink orange."},
-                 {"role": "assistant", "text": "Both devices can cause that. Have you tried restarting them?"}],
-     "query": "How do I reset it?"},
-    {"history": [{"role": "user", "text": "My router keeps dropping the Wi-Fi."},
-                 {"role": "assistant", "text": "Let's look at the router settings."}],
-     "query": "How do I reset the router to factory settings?"},
-    {"history": [], "query": "What is the annual fee of the Gold credit card?"},
-]
+N_EXAMPLE_REQUESTS = 4  # sent to the endpoint at the end: held-out test turns, half needing clarification
 
 
 def run_quickstart(workdir: str | Path = ".clarifier/quickstart", config: str | Path | None = None,
@@ -117,20 +109,31 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
     return summary
 
 
+def example_requests(cfg: ClarifierConfig, n: int = N_EXAMPLE_REQUESTS) -> list[tuple[dict, bool]]:
+    """``(request body, gold decision)`` pairs from the held-out test split: the first n/2 turns
+    that need clarification and the first n/2 that do not (chosen by label, not by prediction)."""
+    from .data.pipeline import load_split
+
+    test = load_split(cfg.data.output, cfg.eval.split)
+    picked = [e for e in test if e.needs_clarification][: n // 2] + [e for e in test if not e.needs_clarification][: n - n // 2]
+    return [({"history": [t.model_dump() for t in e.history], "query": e.query,
+              "passages": [p.model_dump() for p in e.passages]}, e.needs_clarification) for e in picked]
+
+
 def _serve_examples(cfg: ClarifierConfig, uri: str, progress) -> list[dict]:
     from .client import ClarifierClient
     from .serving.app import run_local
 
     serve_cfg = cfg.serve.model_copy(update={"model_uri": uri})
     url = run_local(serve_cfg, tracking_uri=cfg.tracking.tracking_uri)
-    progress(f"serving at {url}/v1/clarify")
+    progress(f"serving at {url}/v1/clarify (held-out test turns)")
     client = ClarifierClient(url, timeout=120)
     answers = []
-    for req in EXAMPLE_REQUESTS:
-        resp = client.clarify(req["history"], req["query"], req.get("passages", ()))
+    for req, gold in example_requests(cfg):
+        resp = client.clarify(req["history"], req["query"], req["passages"])
         progress(f"  request:  {json.dumps(req)}")
-        progress(f"  response: {resp.model_dump_json()}")
-        answers.append({"request": req, "response": resp.model_dump()})
+        progress(f"  response: {resp.model_dump_json()}   (gold: {'clarify' if gold else 'answer'})")
+        answers.append({"request": req, "gold_needs_clarification": gold, "response": resp.model_dump()})
     return answers
 
 

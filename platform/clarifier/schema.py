@@ -19,6 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 Role = Literal["user", "assistant", "system"]
 
 
+def _not_blank_query(v: str) -> str:
+    if not v.strip():
+        raise ValueError("query is empty")
+    return v
+
+
 class Turn(BaseModel):
     """One message of a conversation."""
 
@@ -52,12 +58,7 @@ class Example(BaseModel):
     passages: list[Passage] = Field(default_factory=list)
     meta: dict[str, Any] = Field(default_factory=dict)
 
-    @field_validator("query")
-    @classmethod
-    def _query_not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("query is empty")
-        return v
+    _query_not_blank = field_validator("query")(_not_blank_query)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Example":
@@ -172,12 +173,7 @@ class ClarifyRequest(BaseModel):
     query: str = Field(min_length=1)
     passages: list[Passage] = Field(default_factory=list)
 
-    @field_validator("query")
-    @classmethod
-    def _query_not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("query is empty")
-        return v
+    _query_not_blank = field_validator("query")(_not_blank_query)
 
 
 class Grounding(BaseModel):

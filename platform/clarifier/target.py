@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 DECISION_PREFIX = "decision:"
 CLARIFY = "clarify"
 ANSWER = "answer"
-SEGMENTS = ("decision", "grounding", "question")
+SEGMENTS = ("decision", "grounding", "question", "format")
 
 
 class TargetParseError(ValueError):
@@ -45,9 +45,11 @@ def render_segments(t: JointTarget) -> list[tuple[str, str]]:
     """The target as ``(segment, text)`` pieces; concatenated they give ``render_target(t)``.
 
     Segments are tokenised separately by the training objective to weight each decision's tokens.
+    The fixed ``decision:`` prefix is its own ``format`` segment, so the ``decision`` segment is
+    exactly the token(s) that carry the decision.
     """
     if not t.needs_clarification:
-        return [("decision", f"{DECISION_PREFIX} {ANSWER}")]
+        return [("format", DECISION_PREFIX), ("decision", f" {ANSWER}")]
     question = _one_line(t.question or "")
     if not question:
         raise ValueError("a clarify target needs a non-empty question")
@@ -55,7 +57,8 @@ def render_segments(t: JointTarget) -> list[tuple[str, str]]:
         if not re.fullmatch(r"[^\s,]+", p):
             raise ValueError(f"passage id {p!r} must not contain spaces or commas")
     return [
-        ("decision", f"{DECISION_PREFIX} {CLARIFY}\n"),
+        ("format", DECISION_PREFIX),
+        ("decision", f" {CLARIFY}\n"),
         ("grounding", f"grounding: turns={_ids(t.grounding_turns)} passages={_ids(t.grounding_passages)}\n"),
         ("question", f"question: {question}"),
     ]

@@ -62,6 +62,8 @@ def test_logs_to_served_model(tiny_model_dir, mlflow_server, ray_local, tmp_path
     folder = Path(tr.model_dir)
     assert (folder / "adapter_model.safetensors").is_file() and (folder / "clarifier.json").is_file()
     assert not list(folder.glob("*.bin"))
+    meta = json.loads((folder / "clarifier.json").read_text())
+    assert 0.0 <= meta["threshold"] <= 1.0 and meta["base_model"] == str(tiny_model_dir)
 
     client = MlflowClient()
     run = client.get_run(tr.run_id)
@@ -69,6 +71,7 @@ def test_logs_to_served_model(tiny_model_dir, mlflow_server, ray_local, tmp_path
     loss_hist = client.get_metric_history(tr.run_id, "train/loss")
     assert [m.step for m in loss_hist] == [1, 2, 3, 4]
     assert client.get_metric_history(tr.run_id, "train/loss_decision")
+    assert run.data.metrics["calibration/threshold"] == meta["threshold"]
 
     report = evaluate(cfg, str(folder), run_id=tr.run_id, out_dir=str(tmp_path / "eval"), progress=lambda m: None)
     assert set(report["models"]) == {"model", "always_ask", "never_ask", "base_model"}

@@ -24,14 +24,18 @@ def test_prompt_keeps_turn_indexes_and_drops_oldest_first(tiny_tokenizer):
 
 
 def test_encode_masks_prompt_and_weights_segments(tiny_tokenizer):
-    w = SegmentWeights(decision=3.0, grounding=0.5, question=1.0)
+    w = SegmentWeights(decision=3.0, grounding=0.5, question=1.0, format=0.25)
     enc = encode_example(_ex(), tiny_tokenizer, w, PromptOptions(), max_length=2048)
     p = enc["prompt_len"]
     assert all(x == IGNORE for x in enc["labels"][:p]) and all(x == 0.0 for x in enc["loss_weights"][:p])
     segs = enc["segment_ids"][p:]
-    assert set(segs) == {1, 2, 3} and segs == sorted(segs)  # decision, then grounding, then question
+    order = [SEGMENT_IDS[n] for n in ("format", "decision", "grounding", "question")]
+    assert [s for i, s in enumerate(segs) if i == 0 or segs[i - 1] != s] == order  # fixed order, no interleaving
     weights = {s: {enc["loss_weights"][p + i] for i, x in enumerate(segs) if x == s} for s in set(segs)}
-    assert weights == {SEGMENT_IDS["decision"]: {3.0}, SEGMENT_IDS["grounding"]: {0.5}, SEGMENT_IDS["question"]: {1.0}}
+    assert weights == {SEGMENT_IDS["decision"]: {3.0}, SEGMENT_IDS["grounding"]: {0.5},
+                       SEGMENT_IDS["question"]: {1.0}, SEGMENT_IDS["format"]: {0.25}}
+    decision_tokens = [enc["input_ids"][p + i] for i, x in enumerate(segs) if x == SEGMENT_IDS["decision"]]
+    assert tiny_tokenizer.decode(decision_tokens).strip() == "clarify"
     assert enc["input_ids"][-1] == tiny_tokenizer.eos_token_id and not enc["truncated"]
     target = tiny_tokenizer.decode(enc["input_ids"][p:], skip_special_tokens=True)
     assert target == "decision: clarify\ngrounding: turns=0 passages=none\nquestion: The router or the modem?"
@@ -39,7 +43,7 @@ def test_encode_masks_prompt_and_weights_segments(tiny_tokenizer):
 
 def test_encode_negative_and_truncation(tiny_tokenizer):
     enc = encode_example(_ex(clarify=False), tiny_tokenizer, SegmentWeights(), PromptOptions(), max_length=2048)
-    assert set(enc["segment_ids"][enc["prompt_len"]:]) == {SEGMENT_IDS["decision"]}
+    assert set(enc["segment_ids"][enc["prompt_len"]:]) == {SEGMENT_IDS["format"], SEGMENT_IDS["decision"]}
     short = encode_example(_ex(), tiny_tokenizer, SegmentWeights(), PromptOptions(), max_length=enc["prompt_len"] + 2)
     assert short["truncated"] and len(short["input_ids"]) == enc["prompt_len"] + 2
 

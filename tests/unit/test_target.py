@@ -17,7 +17,7 @@ def test_round_trip(t):
 def test_fixed_order_decision_grounding_question():
     text = render_target(JointTarget(True, "Which one?", (1,), ("p1",)))
     assert text.splitlines() == ["decision: clarify", "grounding: turns=1 passages=p1", "question: Which one?"]
-    assert [s for s, _ in render_segments(JointTarget(True, "Q?", (0,)))] == ["decision", "grounding", "question"]
+    assert [s for s, _ in render_segments(JointTarget(True, "Q?", (0,)))] == ["format", "decision", "grounding", "question"]
     assert render_target(JointTarget(False)) == "decision: answer"
 
 

@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 
@@ -19,6 +20,12 @@ from ..config import ClarifierConfig
 from .objective import collate, joint_loss
 
 COLUMNS = ["input_ids", "labels", "loss_weights", "segment_ids"]
+
+
+def _say(msg: str) -> None:
+    """Progress line from a worker. Ray Train patches ``print`` to tee into its logger (each line
+    would reach the driver twice); the process's real stdout is streamed to the driver once."""
+    print(msg, file=sys.__stdout__, flush=True)
 
 
 def deepspeed_config(cfg: ClarifierConfig, total_steps: int) -> dict:
@@ -54,7 +61,6 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train
     from peft import LoraConfig, get_peft_model
 
-    from ..inference import ModelMeta, write_meta
     from ..models import load_causal_lm, load_tokenizer, resolve_base_model
     from .tracking import SafeTracker
 
@@ -82,8 +88,8 @@ def train_loop_per_worker(config: dict) -> None:
     device = engine.device
     tracker = SafeTracker(config.get("mlflow_run_id") if rank == 0 else None, config.get("tracking_uri"))
     if rank == 0:
-        print(f"[train] {ctx.get_world_size()} workers, ZeRO-{t.zero_stage}, LoRA r={lcfg.r}: "
-              f"{trainable:,} trainable of {total:,} parameters", flush=True)
+        _say(f"[train] {ctx.get_world_size()} workers, ZeRO-{t.zero_stage}, LoRA r={lcfg.r}: "
+              f"{trainable:,} trainable of {total:,} parameters")
 
     shard = ray.train.get_dataset_shard("train")
     step = 0
@@ -125,9 +131,9 @@ def train_loop_per_worker(config: dict) -> None:
                 m.update({f"train/loss_{k}": v for k, v in parts.items()})
                 tracker.log_metrics(m, step)
                 eta = (now - t_start) / step * (t.max_steps - step)
-                print(f"[train] step {step}/{t.max_steps} loss {m['train/loss']:.4f} "
+                _say(f"[train] step {step}/{t.max_steps} loss {m['train/loss']:.4f} "
                       f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}) lr {lr:.2e} "
-                      f"{m['train/tokens_per_s']:.0f} tok/s eta {eta:.0f}s", flush=True)
+                      f"{m['train/tokens_per_s']:.0f} tok/s eta {eta:.0f}s")
             losses.clear()
             tokens_since = 0
             t_last = now
@@ -142,8 +148,7 @@ def train_loop_per_worker(config: dict) -> None:
             raise RuntimeError(f"worker {rank} received no training rows: the train split is empty or too small "
                                f"for {ctx.get_world_size()} workers")
     if rank == 0 and tracker.failed_calls:
-        print(f"[train] warning: {tracker.failed_calls} MLflow calls failed; {tracker.lost_metrics} metric values lost",
-              flush=True)
+        _say(f"[train] warning: {tracker.failed_calls} MLflow calls failed; {tracker.lost_metrics} metric values lost")
 
 
 def _report(engine, tok, cfg: ClarifierConfig, step: int, rank: int, tracker, final: bool) -> None:

@@ -22,6 +22,7 @@ class SegmentWeights:
     decision: float = 2.0
     grounding: float = 1.0
     question: float = 1.0
+    format: float = 0.5  # the fixed "decision:" prefix: learnt at once, so it weighs little
 
     def of(self, segment: str) -> float:
         return float(getattr(self, segment))

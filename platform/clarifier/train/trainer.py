@@ -96,11 +96,33 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
     with ckpt.as_directory() as d:
         shutil.copytree(d, out, dirs_exist_ok=True)
     steps = int((result.metrics or {}).get("step", 0))
+    calib = _calibrate(cfg, out, progress)
     with mlflow.start_run(run_id=run_id):
         mlflow.log_artifacts(str(out), artifact_path="adapter")
         mlflow.log_metrics({"train/steps": steps, "train/seconds": seconds})
+        if calib:
+            mlflow.log_metrics({"calibration/threshold": calib["threshold"]})
+            mlflow.set_tags({"calibration.rule": calib["rule"], "calibration.n": calib["n"]})
     progress(f"[train] done: {steps} steps in {seconds:.0f}s; adapter logged to run {run_id}")
     return TrainResult(run_id=run_id, model_dir=str(out), steps=steps, seconds=seconds)
+
+
+def _calibrate(cfg: ClarifierConfig, folder: Path, progress) -> dict | None:
+    """Pick the decision threshold on the calibration split (if it has both classes)."""
+    from ..data.pipeline import load_split
+    from ..evaluation.calibrate import calibrate_model
+
+    split = cfg.eval.calibration_split
+    if not split:
+        return None
+    examples = load_split(cfg.data.output, split)
+    labels = {e.needs_clarification for e in examples}
+    if len(labels) < 2:
+        progress(f"[calibrate] split {split!r} has {len(examples)} examples and not both classes; "
+                 f"keeping threshold {cfg.eval.threshold}")
+        return None
+    return calibrate_model(folder, examples, max_over_asking=cfg.eval.max_over_asking,
+                           cache_dir=cfg.model.cache_dir, batch_size=cfg.eval.batch_size, progress=progress)
 
 
 def _fs_kwargs(uri: str) -> dict:

@@ -1,0 +1,48 @@
+"""Decision-threshold calibration on a dev split: the threshold is stored with the model.
+
+Either maximise dev F1 of "clarify" (ties go to the higher threshold: less over-asking), or, with
+``max_over_asking``, take the best recall whose over-asking rate on clear dev turns stays within
+that budget. The chosen value is written into the model folder's ``clarifier.json`` so evaluation
+and serving use it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .metrics import pick_threshold, threshold_sweep
+
+
+def best_f1_threshold(gold: list[bool], scores: list[float]) -> float:
+    """Threshold maximising F1; placed halfway to the next lower score so it is not fit to one point."""
+    rows = threshold_sweep(gold, scores)
+    if not rows or not any(gold):
+        return 0.5
+    best = max(rows, key=lambda r: (r["f1"], r["threshold"]))
+    lower = [r["threshold"] for r in rows if r["threshold"] < best["threshold"]]
+    return (best["threshold"] + max(lower)) / 2 if lower else best["threshold"]
+
+
+def calibrate_model(folder: str | Path, examples, *, max_over_asking: float | None = None, cache_dir=None,
+                    batch_size: int = 8, progress=print) -> dict:
+    """Score ``examples`` with the model in ``folder``, choose a threshold, store it; returns a summary."""
+    from dataclasses import replace
+
+    from ..inference import ClarifierEngine, read_meta, write_meta
+
+    engine = ClarifierEngine.from_folder(folder, cache_dir=cache_dir)
+    scores: list[float] = []
+    for s in range(0, len(examples), batch_size):
+        chunk = examples[s:s + batch_size]
+        scores += engine.score([(e.history, e.query, e.passages) for e in chunk])
+    gold = [e.needs_clarification for e in examples]
+    if max_over_asking is None:
+        thr, rule = best_f1_threshold(gold, scores), "max_f1"
+    else:
+        thr, rule = pick_threshold(gold, scores, max_over_asking), f"over_asking<={max_over_asking}"
+    thr = float(min(max(thr, 0.0), 1.0))
+    meta = read_meta(folder)
+    write_meta(folder, replace(meta, threshold=thr))
+    progress(f"[calibrate] threshold {thr:.3f} ({rule}) from {len(examples)} dev examples "
+             f"({sum(gold)} need clarification)")
+    return {"threshold": thr, "rule": rule, "n": len(examples), "positives": sum(gold)}

@@ -1,0 +1,44 @@
+"""The CLI and the jobs/ entrypoints: help, resolved config, config errors (no Ray started)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from clarifier.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+def test_every_stage_has_a_subcommand():
+    out = runner.invoke(app, ["--help"]).output
+    for cmd in ("quickstart", "data", "train", "eval", "models", "serve", "config"):
+        assert cmd in out
+    assert "prepare" in runner.invoke(app, ["data", "--help"]).output
+    models = runner.invoke(app, ["models", "--help"]).output
+    assert "register" in models and "promote" in models
+
+
+def test_config_prints_resolved_yaml_with_overrides():
+    res = runner.invoke(app, ["config", "-c", str(ROOT / "jobs/configs/quickstart.yaml"), "train.max_steps=3",
+                              "model.lora.r=4"])
+    assert res.exit_code == 0, res.output
+    cfg = yaml.safe_load(res.output)
+    assert cfg["train"]["max_steps"] == 3 and cfg["model"]["lora"]["r"] == 4 and cfg["train"]["zero_stage"] == 2
+
+
+def test_config_error_names_the_key_and_exits_2():
+    res = runner.invoke(app, ["train", "-c", str(ROOT / "jobs/configs/quickstart.yaml"), "train.max_stepz=3"])
+    assert res.exit_code == 2 and "train.max_stepz" in res.output
+
+
+def test_job_entrypoints_run_as_scripts():
+    for job, words in [("prepare_data.py", "data.input"), ("train.py", "overrides"), ("evaluate.py", "--model"),
+                       ("register.py", "--run-id"), ("quickstart.py", "--workdir")]:
+        res = subprocess.run([sys.executable, str(ROOT / "jobs" / job), "--help"], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
+        assert res.returncode == 0, res.stderr
+        assert words in res.stdout, (job, res.stdout)
