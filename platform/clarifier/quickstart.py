@@ -32,6 +32,11 @@ def run_quickstart(workdir: str | Path = ".clarifier/quickstart", config: str | 
     cfg = load_config(config or DEFAULT_CONFIG, [*base, *overrides])
     if port:
         cfg.serve.port = port
+    elif _port_busy(cfg.serve.host, cfg.serve.port):
+        from .services import free_port
+
+        busy, cfg.serve.port = cfg.serve.port, free_port()
+        progress(f"port {busy} is in use; Ray Serve will listen on {cfg.serve.port} instead")
 
     def stage(n, title):
         progress(f"\n== [{n}/7] {title}  (+{time.time() - t_all:.0f}s)")
@@ -135,6 +140,13 @@ def _serve_examples(cfg: ClarifierConfig, uri: str, progress) -> list[dict]:
         progress(f"  response: {resp.model_dump_json()}   (gold: {'clarify' if gold else 'answer'})")
         answers.append({"request": req, "gold_needs_clarification": gold, "response": resp.model_dump()})
     return answers
+
+
+def _port_busy(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex((host if host not in ("0.0.0.0", "") else "127.0.0.1", port)) == 0
 
 
 def _shutdown(progress) -> None:

@@ -115,8 +115,9 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
                for e, p in list(zip(examples, preds))[:20]]
     for name in cfg.eval.baselines:
         if name == "base_model":
+            # Zero-shot decision: clarify iff P(clarify) > P(answer), i.e. threshold 0.5.
             base = ClarifierEngine.from_base(engine_base(resolved.folder), cache_dir=cfg.model.cache_dir,
-                                             threshold=engine.threshold, prompt_opts=engine.opts)
+                                             threshold=0.5, prompt_opts=engine.opts)
             bp = _score_only(base, examples, cfg.eval.batch_size, bar("base_model"))
             del base
         else:
@@ -125,7 +126,8 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     report = {
         "model_uri": model_uri, "model_version": resolved.version, "data": data, "split": cfg.eval.split,
         "n": len(examples), "threshold": engine.threshold, "seconds_model": round(secs, 1),
-        "notes": "base_model is the untrained base with the same prompt, decision only (no decoding).",
+        "notes": "base_model is the untrained base model with the same prompt, zero-shot (clarify iff "
+                 "P(clarify) > P(answer)), decision only (no decoding).",
         "models": models, "samples": samples,
     }
     out = Path(out_dir or tempfile.mkdtemp(prefix="clarifier-eval-"))
