@@ -128,6 +128,16 @@ class ClarifierEngine:
             probs = self._torch.softmax(pair, dim=-1)[:, 0]
         return [float(x) for x in probs]
 
+    def score_examples(self, examples, batch_size: int = 8, progress=None) -> list[float]:
+        """P(clarify) for Examples in batches of ``batch_size`` (decision only, no decoding)."""
+        scores: list[float] = []
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start:start + batch_size]
+            scores += self.score([(e.history, e.query, e.passages) for e in chunk])
+            if progress:
+                progress(len(scores), len(examples))
+        return scores
+
     def generate_clarification(self, items: list[tuple]) -> list[str]:
         """Decode grounding and question after a forced ``decision: clarify`` line."""
         if not items:

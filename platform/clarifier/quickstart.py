@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from .config import ClarifierConfig, load_config
+from .services import free_port, mlflow_env, port_busy, start_mlflow_server
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "quickstart.yaml"
 
@@ -21,9 +22,6 @@ N_EXAMPLE_REQUESTS = 4  # sent to the endpoint at the end: held-out test turns, 
 
 def run_quickstart(workdir: str | Path = ".clarifier/quickstart", config: str | Path | None = None,
                    overrides: list[str] | tuple[str, ...] = (), port: int | None = None, progress=print) -> dict:
-    from . import storage
-    from .services import mlflow_env, start_mlflow_server
-
     t_all = time.time()
     workdir = Path(workdir).expanduser().resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -32,9 +30,7 @@ def run_quickstart(workdir: str | Path = ".clarifier/quickstart", config: str | 
     cfg = load_config(config or DEFAULT_CONFIG, [*base, *overrides])
     if port:
         cfg.serve.port = port
-    elif _port_busy(cfg.serve.host, cfg.serve.port):
-        from .services import free_port
-
+    elif port_busy(cfg.serve.host, cfg.serve.port):
         busy, cfg.serve.port = cfg.serve.port, free_port()
         progress(f"port {busy} is in use; Ray Serve will listen on {cfg.serve.port} instead")
 
@@ -140,13 +136,6 @@ def _serve_examples(cfg: ClarifierConfig, uri: str, progress) -> list[dict]:
         progress(f"  response: {resp.model_dump_json()}   (gold: {'clarify' if gold else 'answer'})")
         answers.append({"request": req, "gold_needs_clarification": gold, "response": resp.model_dump()})
     return answers
-
-
-def _port_busy(host: str, port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex((host if host not in ("0.0.0.0", "") else "127.0.0.1", port)) == 0
 
 
 def _shutdown(progress) -> None:

@@ -21,6 +21,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_busy(host: str, port: int) -> bool:
+    """Whether something already listens on ``host:port`` (a wildcard host is checked on loopback)."""
+    with socket.socket() as s:
+        return s.connect_ex((host if host not in ("0.0.0.0", "") else "127.0.0.1", port)) == 0
+
+
 @dataclass
 class MlflowServer:
     url: str

@@ -31,10 +31,7 @@ def calibrate_model(folder: str | Path, examples, *, max_over_asking: float | No
     from ..inference import ClarifierEngine, read_meta, write_meta
 
     engine = ClarifierEngine.from_folder(folder, cache_dir=cache_dir)
-    scores: list[float] = []
-    for s in range(0, len(examples), batch_size):
-        chunk = examples[s:s + batch_size]
-        scores += engine.score([(e.history, e.query, e.passages) for e in chunk])
+    scores = engine.score_examples(examples, batch_size)
     gold = [e.needs_clarification for e in examples]
     if max_over_asking is None:
         thr, rule = best_f1_threshold(gold, scores), "max_f1"

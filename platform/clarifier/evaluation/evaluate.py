@@ -64,13 +64,8 @@ def _score_only(engine, examples: list[Example], batch_size: int, progress) -> l
     """Decision-only predictions (no decoding): the cheap path for the zero-shot base baseline."""
     from .metrics import Prediction
 
-    preds = []
-    for s in range(0, len(examples), batch_size):
-        chunk = examples[s:s + batch_size]
-        for p in engine.score([(e.history, e.query, e.passages) for e in chunk]):
-            preds.append(Prediction(needs_clarification=p >= engine.threshold, confidence=p))
-        progress(len(preds), len(examples))
-    return preds
+    return [Prediction(needs_clarification=p >= engine.threshold, confidence=p)
+            for p in engine.score_examples(examples, batch_size, progress)]
 
 
 def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, run_id: str | None = None,
