@@ -40,7 +40,9 @@ def init_ray(num_cpus: int | None = None, quiet: bool = True):
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], **kw)
     else:
-        ray.init(num_cpus=num_cpus or local_cpus(), include_dashboard=False, **kw)
+        # address="local": always a fresh instance of our own, never a cluster that some other
+        # `ray start --head` on this machine happens to have left behind.
+        ray.init(address="local", num_cpus=num_cpus or local_cpus(), include_dashboard=False, **kw)
     if quiet:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False

@@ -28,7 +28,7 @@ def ray_local(s3_server):
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray

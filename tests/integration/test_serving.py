@@ -111,7 +111,7 @@ def server(model_folder):
 
     from clarifier.serving.app import run_local
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         cfg = ServeConfig(model_uri=str(model_folder), port=_free_port(), max_new_tokens=12,
                           max_history_turns=MAX_HISTORY, max_chars=MAX_CHARS, max_batch_size=8,

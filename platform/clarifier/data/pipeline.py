@@ -220,11 +220,9 @@ def _git_commit() -> str | None:
 
 
 def _ensure_ray():
-    import ray
+    from ..runtime import init_ray
 
-    if not ray.is_initialized():
-        ray.init(ignore_reinit_error=True)
-    return ray
+    return init_ray()
 
 
 def _clean_output(output: str, split_names) -> None:
