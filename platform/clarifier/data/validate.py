@@ -10,6 +10,10 @@ the (truncated) line as text. Line numbers are 1-based.
 Which shape a record is: it is a ConversationLog when it has ``turns``; otherwise an Example (the
 evaluation-set format of ``../shared/README.md``); an object with none of ``turns``, ``query``,
 ``history``, ``needs_clarification`` is reported as neither.
+
+:func:`parse_line_full` / :func:`check_object` (a decoded record, e.g. a Parquet row) also take
+the ``data.labelling`` rules: with them enabled, a conversation log without any label is labelled
+by :mod:`clarifier.data.labelling` and the user turns it filtered are returned as a third value.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..config import DataConfig
+from ..config import DataConfig, LabellingConfig
 from ..schema import ConversationLog, Example, describe_validation_error
+from .labelling import FilteredTurn, label_conversation
 
 RAW_LIMIT = 2000  # characters of the raw line kept in a quarantine record
 ROLES = ("user", "assistant", "system")
@@ -66,42 +71,75 @@ def _check_turns(turns: Any, field: str, max_chars: int) -> str | None:
 
 def check_record(obj: Any, max_turn_chars: int = DEFAULT_MAX_TURN_CHARS) -> tuple[list[Example], str | None]:
     """Validate a decoded JSON value: ``(examples, None)`` or ``([], reason)``."""
+    examples, reason, _ = check_record_full(obj, max_turn_chars)
+    return examples, reason
+
+
+def check_record_full(
+    obj: Any, max_turn_chars: int = DEFAULT_MAX_TURN_CHARS, labelling: LabellingConfig | None = None
+) -> tuple[list[Example], str | None, list[FilteredTurn]]:
+    """Like :func:`check_record`, plus the user turns the labelling rules filtered.
+
+    With ``labelling.enabled``, a conversation log without any gold label is labelled by
+    :func:`clarifier.data.labelling.label_conversation`; one that gives no example at all is
+    reported (quarantined) with the filter reason of each user turn. Logs with gold labels and
+    evaluation-set examples are unaffected.
+    """
     if not isinstance(obj, dict):
-        return [], f"record is not a JSON object (got {_type_name(obj)})"
+        return [], f"record is not a JSON object (got {_type_name(obj)})", []
     if "turns" in obj:
         problem = _check_turns(obj.get("turns"), "turns", max_turn_chars)
         if problem:
-            return [], problem
+            return [], problem, []
         try:
             log = ConversationLog.model_validate(obj)
         except ValueError as exc:
-            return [], _describe(exc)
+            return [], _describe(exc), []
         try:
             examples = log.explode()
         except ValueError as exc:
-            return [], str(exc).replace("Value error, ", "")
+            return [], str(exc).replace("Value error, ", ""), []
+        if not examples and labelling is not None and labelling.enabled:
+            try:
+                res = label_conversation(log, labelling)
+            except ValueError as exc:
+                return [], f"labelling rules: {_describe(exc)}", []
+            if not res.examples:
+                why = ", ".join(f"turn {f.turn_index} {f.reason}" for f in res.filtered) or "it has no user turn"
+                return [], f"unlabelled conversation gives no example under data.labelling rules ({why})", []
+            return res.examples, None, res.filtered
         if not examples:
-            return [], "conversation has no labelled user turns (nothing to learn from)"
-        return examples, None
+            return [], ("conversation has no labelled user turns (nothing to learn from; "
+                        "data.labelling.enabled=true labels such logs by rules)"), []
+        return examples, None, []
     if not any(k in obj for k in _EXAMPLE_KEYS):
         keys = ", ".join(sorted(map(str, obj))[:8]) or "none"
-        return [], f"record has neither 'query' (evaluation-set example) nor 'turns' (conversation log); keys: {keys}"
+        return [], f"record has neither 'query' (evaluation-set example) nor 'turns' (conversation log); keys: {keys}", []
     problem = _check_turns(obj.get("history"), "history", max_turn_chars)
     if problem:
-        return [], problem
+        return [], problem, []
     q = obj.get("query")
     if isinstance(q, str) and len(q) > max_turn_chars:
-        return [], f"query has {len(q)} chars (> max_turn_chars={max_turn_chars})"
+        return [], f"query has {len(q)} chars (> max_turn_chars={max_turn_chars})", []
     try:
-        return [Example.model_validate(obj)], None
+        return [Example.model_validate(obj)], None, []
     except ValueError as exc:
-        return [], _describe(exc)
+        return [], _describe(exc), []
 
 
 def parse_line(
     line: str | bytes, source: str, line_no: int, max_turn_chars: int = DEFAULT_MAX_TURN_CHARS
 ) -> tuple[list[Example], dict | None]:
     """Parse and validate one JSONL line. Never raises; see the module docstring."""
+    examples, q, _ = parse_line_full(line, source, line_no, max_turn_chars)
+    return examples, q
+
+
+def parse_line_full(
+    line: str | bytes, source: str, line_no: int, max_turn_chars: int = DEFAULT_MAX_TURN_CHARS,
+    labelling: LabellingConfig | None = None,
+) -> tuple[list[Example], dict | None, list[FilteredTurn]]:
+    """:func:`parse_line` plus labelling of unlabelled logs (see :func:`check_record_full`). Never raises."""
     try:
         if isinstance(line, (bytes, bytearray)):
             try:
@@ -109,20 +147,31 @@ def parse_line(
             except UnicodeDecodeError as exc:
                 return [], quarantine_record(
                     source, line_no, f"invalid UTF-8 at byte {exc.start}: {exc.reason}", line
-                )
+                ), []
         else:
             text = line
         text = text.lstrip("\ufeff")  # a UTF-8 BOM on the first line
         if not text.strip():
-            return [], quarantine_record(source, line_no, "empty line", line)
+            return [], quarantine_record(source, line_no, "empty line", line), []
         try:
             obj = json.loads(text)
         except (json.JSONDecodeError, RecursionError) as exc:
             msg = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-            return [], quarantine_record(source, line_no, f"bad JSON: {msg}", line)
-        examples, reason = check_record(obj, max_turn_chars)
-        if reason is not None:
-            return [], quarantine_record(source, line_no, reason, line)
-        return examples, None
+            return [], quarantine_record(source, line_no, f"bad JSON: {msg}", line), []
+        return check_object(obj, source, line_no, line, max_turn_chars, labelling)
     except Exception as exc:  # defensive: a validator bug must not abort a data job
-        return [], quarantine_record(source, line_no, f"unexpected validation error: {type(exc).__name__}: {exc}", line)
+        return [], quarantine_record(source, line_no, f"unexpected validation error: {type(exc).__name__}: {exc}", line), []
+
+
+def check_object(
+    obj: Any, source: str, line_no: int, raw: str | bytes, max_turn_chars: int = DEFAULT_MAX_TURN_CHARS,
+    labelling: LabellingConfig | None = None,
+) -> tuple[list[Example], dict | None, list[FilteredTurn]]:
+    """A decoded record (a JSONL line or a Parquet row): ``(examples, quarantine record or None, filtered turns)``."""
+    try:
+        examples, reason, filtered = check_record_full(obj, max_turn_chars, labelling)
+    except Exception as exc:  # defensive, as in parse_line_full
+        reason, filtered = f"unexpected validation error: {type(exc).__name__}: {exc}", []
+    if reason is not None:
+        return [], quarantine_record(source, line_no, reason, raw), []
+    return examples, None, filtered
