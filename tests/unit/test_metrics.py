@@ -299,3 +299,70 @@ def test_metrics_module_is_pure():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- semantic similarity / a small fixed set, every number by hand -------------------------------
+
+
+def _word_overlap_similarity(a, b):
+    """A stand-in encoder: Jaccard overlap of word sets (so the expected numbers are hand-computable)."""
+    out = []
+    for x, y in zip(a, b):
+        sx, sy = set(x.lower().split()), set(y.lower().split())
+        out.append(len(sx & sy) / len(sx | sy))
+    return out
+
+
+def test_semantic_similarity_on_true_positives_only():
+    examples, preds = _fixture()
+    m = evaluate_predictions(examples, preds, similarity_fn=_word_overlap_similarity)
+    # pairs: (Q, Q) -> 1.0 ; (Q, "Which router?") -> {which} & ... : "which router do you mean" vs "which router?"
+    # words {which, router, do, you, mean} vs {which, router?} -> 1 shared / 6 -> 1/6
+    assert m["question"]["semantic_similarity"] == pytest.approx((1.0 + 1 / 6) / 2)
+    # without an encoder the metric is present and None
+    assert evaluate_predictions(examples, preds)["question"]["semantic_similarity"] is None
+
+
+def test_semantic_similarity_checks_the_encoder_output():
+    from clarifier.evaluation.metrics import semantic_similarity
+
+    assert semantic_similarity([], [], _word_overlap_similarity) is None
+    assert semantic_similarity(["a b"], ["a c"], _word_overlap_similarity) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="returned 1 values for 2 pairs"):
+        semantic_similarity(["a", "b"], ["a", "b"], lambda x, y: [1.0])
+
+
+def test_small_fixed_set_every_metric_by_hand():
+    """Eight turns, one model; every reported number recomputed by hand."""
+    hist = [Turn(role="user", text="router and modem"), Turn(role="assistant", text="ok")]
+    gold = [True, True, True, False, False, False, False, True]
+    examples = [Example(id=f"s{i}", history=hist, query="reset it?", needs_clarification=g,
+                        clarifying_question="which device do you mean" if g else None,
+                        grounding_turns=[0] if g else []) for i, g in enumerate(gold)]
+    scores = [0.9, 0.8, 0.3, 0.7, 0.2, 0.1, 0.4, 0.6]
+    preds = [Prediction(s >= 0.5, s, "which device do you mean" if s >= 0.5 else None, (0,) if s >= 0.5 else ())
+             for s in scores]
+    preds[7] = Prediction(True, 0.6, "which one", (0, 1))
+    m = evaluate_predictions(examples, preds, similarity_fn=_word_overlap_similarity)
+    d = m["decision"]
+    # clarify predicted: s0 s1 s3 s7 ; gold clarify: s0 s1 s2 s7
+    assert (d["tp"], d["fp"], d["fn"], d["tn"]) == (3, 1, 1, 3)
+    assert d["precision"] == pytest.approx(3 / 4) and d["recall"] == pytest.approx(3 / 4)
+    assert d["f1"] == pytest.approx(3 / 4)
+    assert d["over_asking_rate"] == pytest.approx(1 / 4) and d["under_asking_rate"] == pytest.approx(1 / 4)
+    assert d["accuracy"] == pytest.approx(6 / 8)
+    # AUROC: positives .9 .8 .3 .6 vs negatives .7 .2 .1 .4 -> 16 pairs; wrong: (.3,.7) (.3,.4) (.6,.7) -> 13/16
+    assert m["auroc"] == pytest.approx(13 / 16)
+    # ECE (10 bins): bins .1 .2 .3 .4 .6 .7 .8 .9 each hold one score; |conf - gold| summed / 8
+    ece = (abs(0.1 - 0) + abs(0.2 - 0) + abs(0.3 - 1) + abs(0.4 - 0) + abs(0.6 - 1) + abs(0.7 - 0)
+           + abs(0.8 - 1) + abs(0.9 - 1)) / 8
+    assert m["ece"] == pytest.approx(ece)
+    # TPs s0 s1 s7: questions identical, identical, "which one" vs "which device do you mean" (1/6 Jaccard)
+    assert m["question"]["n"] == 3
+    assert m["question"]["semantic_similarity"] == pytest.approx((1 + 1 + 1 / 6) / 3)
+    # ROUGE-L F of "which one" vs the reference: LCS 1, P 1/2, R 1/5 -> F = 2/7
+    assert m["question"]["rougeL_f"] == pytest.approx((1 + 1 + 2 / 7) / 3)
+    # grounding: {0}, {0}, {0,1} vs gold {0} -> EM 2/3, set-F1 (1 + 1 + 2/3) / 3
+    assert m["grounding"]["exact_match"] == pytest.approx(2 / 3)
+    assert m["grounding"]["f1"] == pytest.approx((1 + 1 + 2 / 3) / 3)
+    assert m["validity"] == 1.0

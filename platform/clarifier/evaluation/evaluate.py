@@ -2,70 +2,134 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ClarifierConfig
 from ..schema import Example
 
 
-def load_examples(data: str, split: str = "test") -> list[Example]:
-    """Examples from a data-job output folder (its ``split``) or an evaluation-set JSONL file."""
+@dataclass
+class EvalData:
+    """An evaluation set as read: its examples, the malformed lines skipped, and its identity."""
+
+    examples: list[Example]
+    skipped: list[dict] = field(default_factory=list)  # {"source", "line", "reason"}
+    name: str = ""
+    fingerprint: str = ""  # sha256 of the examples' canonical JSON, in order
+
+
+def fingerprint_examples(examples: list[Example]) -> str:
+    """Identity of an evaluation set: sha256 over the examples' canonical JSON, in order."""
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(e.model_dump_json().encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def load_eval_data(data: str, split: str = "test", *, max_examples: int | None = None, report=print) -> EvalData:
+    """A data-job output folder (its ``split``) or an evaluation-set JSONL file/folder, with its identity.
+
+    ``max_examples`` keeps the first N (the fingerprint is of what is evaluated).
+    """
     from .. import storage
     from ..data.pipeline import load_split
 
     if storage.exists(storage.join(data, "manifest.json")):
-        return load_split(data, split)
-    return load_eval_jsonl(data)
+        examples, skipped, name = load_split(data, split), [], f"{data}#{split}"
+    else:
+        examples, skipped = read_eval_jsonl(data, report=report)
+        name = data
+    if max_examples:
+        examples = examples[:max_examples]
+    return EvalData(examples, skipped, name, fingerprint_examples(examples))
 
 
-def load_eval_jsonl(uri: str, report=print) -> list[Example]:
-    """Read an evaluation-set JSONL file; malformed lines are reported with their number and skipped."""
+def load_examples(data: str, split: str = "test") -> list[Example]:
+    """Examples from a data-job output folder (its ``split``) or an evaluation-set JSONL file."""
+    return load_eval_data(data, split).examples
+
+
+def read_eval_jsonl(uri: str, report=print) -> tuple[list[Example], list[dict]]:
+    """Read evaluation-set JSONL (file, folder or s3:// prefix; ``.gz`` too) with the data job's validation.
+
+    Each malformed line is reported (``source:line: reason``) and skipped; the skipped lines are
+    returned as ``{"source", "line", "reason"}`` records. Lines are validated by the same
+    ``parse_line`` as the data job, files read and split into lines the same way.
+    """
+    import gzip
+    import zlib
+
     from .. import storage
+    from ..data.pipeline import _read_file, _split_lines
     from ..data.validate import parse_line
 
     out: list[Example] = []
-    bad = 0
-    for f in storage.list_files(uri):
+    skipped: list[dict] = []
+    for f in storage.list_files(uri, (".jsonl", ".jsonl.gz", ".json")) or storage.list_files(uri):
         fs, path = storage.filesystem(f)
-        with fs.open_input_stream(path) as s:
-            raw = s.read()
+        raw = _read_file(fs, path)
         if f.endswith(".gz"):
-            import gzip
-
-            raw = gzip.decompress(raw)
-        for i, line in enumerate(raw.split(b"\n"), start=1):
+            try:
+                raw = gzip.decompress(raw)
+            except (OSError, EOFError, ValueError, zlib.error) as exc:
+                skipped.append({"source": f, "line": 0, "reason": f"cannot decompress gzip file: {exc}"})
+                report(f"[eval] skipped {f}: cannot decompress gzip file: {exc}")
+                continue
+        for i, line in enumerate(_split_lines(raw), start=1):
             if not line.strip():
                 continue
             exs, q = parse_line(line, f, i)
             if q is not None:
-                bad += 1
+                skipped.append({"source": q["source"], "line": q["line"], "reason": q["reason"]})
                 report(f"[eval] skipped {f}:{i}: {q['reason']}")
             out.extend(exs)
-    if bad:
-        report(f"[eval] {bad} malformed lines skipped, {len(out)} examples kept")
-    return out
+    if skipped:
+        report(f"[eval] {len(skipped)} malformed lines skipped, {len(out)} examples kept")
+    return out, skipped
 
 
-def _baseline(name: str, examples: list[Example]):
+def load_eval_jsonl(uri: str, report=print) -> list[Example]:
+    """Read an evaluation-set JSONL file; malformed lines are reported with their number and skipped."""
+    return read_eval_jsonl(uri, report=report)[0]
+
+
+def _similarity_fn(cfg: ClarifierConfig, progress):
+    """``SentenceEncoder(...).similarity`` for the question metric, or None (disabled / not installed)."""
+    if not cfg.eval.semantic_encoder:
+        return None, "disabled (eval.semantic_encoder is null)"
+    from ..similarity import EncoderNotAvailable, SentenceEncoder
+
+    try:
+        return SentenceEncoder(cfg.eval.semantic_encoder).similarity, cfg.eval.semantic_encoder
+    except EncoderNotAvailable as exc:
+        progress(f"[eval] WARNING: no semantic similarity: {exc}")
+        return None, f"unavailable: {exc}"
+
+
+def _predict(cfg: ClarifierConfig, spec: dict, examples: list[Example], *, engine=None, mode: str = "predict",
+             progress=print, bar=None) -> list:
+    """Predictions through the configured engine (``eval.engine``): in process, or Ray Data actors."""
     from .metrics import Prediction
+    from .ray_engine import ray_predict
 
-    if name == "always_ask":
-        return [Prediction(needs_clarification=True, confidence=1.0) for _ in examples]
-    if name == "never_ask":
-        return [Prediction(needs_clarification=False, confidence=0.0) for _ in examples]
-    raise ValueError(f"unknown baseline {name!r}")
+    if cfg.eval.engine == "ray":
+        from ..runtime import init_ray
 
-
-def _score_only(engine, examples: list[Example], batch_size: int, progress) -> list:
-    """Decision-only predictions (no decoding): the cheap path for the zero-shot base baseline."""
-    from .metrics import Prediction
-
-    return [Prediction(needs_clarification=p >= engine.threshold, confidence=p)
-            for p in engine.score_examples(examples, batch_size, progress)]
+        init_ray()
+        e = cfg.eval
+        return ray_predict(examples, spec, mode=mode, batch_size=e.batch_size, actors=e.ray_actors,
+                           cpus_per_actor=e.ray_cpus_per_actor, gpus_per_actor=e.ray_gpus_per_actor, progress=progress)
+    if mode == "score":
+        return [Prediction(needs_clarification=p >= engine.threshold, confidence=p)
+                for p in engine.score_examples(examples, cfg.eval.batch_size, bar)]
+    return engine.predict(examples, batch_size=cfg.eval.batch_size, progress=bar)
 
 
 def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, run_id: str | None = None,
@@ -74,20 +138,27 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
 
     Returns the report dict (also written as JSON/Markdown/PNG to ``out_dir`` and, with
     ``run_id``, logged to that MLflow run as metrics ``eval/<metric>`` and artifacts ``eval/``).
+    Scoring and generation run in this process (``eval.engine=local``) or in a pool of Ray Data
+    actors (``eval.engine=ray``); the always-ask, never-ask and lexical baselines are always in it.
     """
-    from ..inference import ClarifierEngine
+    from ..inference import ClarifierEngine, read_meta
     from ..registry.registry import resolve_model_uri
+    from .baselines import baseline_predictions
     from .metrics import evaluate_predictions
     from .report import format_table, write_report
 
     data = data or cfg.data.output
-    examples = load_examples(data, cfg.eval.split)
-    if cfg.eval.max_examples:
-        examples = examples[: cfg.eval.max_examples]
+    if not data:
+        raise ValueError("no evaluation data: pass --data (a data-job output folder or an evaluation-set JSONL) "
+                         "or set data.output")
+    ed = load_eval_data(data, cfg.eval.split, max_examples=cfg.eval.max_examples, report=progress)
+    examples = ed.examples
     if not examples:
-        raise ValueError(f"no evaluation examples in {data} (split {cfg.eval.split!r})")
+        raise ValueError(f"no evaluation examples in {data} (split {cfg.eval.split!r}; "
+                         f"{len(ed.skipped)} malformed lines skipped)")
     gold = [e.needs_clarification for e in examples]
-    progress(f"[eval] {len(examples)} examples ({sum(gold)} need clarification) from {data}")
+    progress(f"[eval] {len(examples)} examples ({sum(gold)} need clarification) from {data}"
+             + (f"; {len(ed.skipped)} malformed lines skipped" if ed.skipped else ""))
 
     def bar(name):
         def _p(done, total):
@@ -97,32 +168,51 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
 
     tracking_uri = cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     resolved = resolve_model_uri(model_uri, tracking_uri=tracking_uri)
-    engine = ClarifierEngine.from_folder(resolved.folder, version=resolved.version, cache_dir=cfg.model.cache_dir,
-                                         max_new_tokens=cfg.eval.max_new_tokens)
+    meta = read_meta(resolved.folder)
+    spec = {"model_uri": model_uri, "tracking_uri": tracking_uri, "cache_dir": cfg.model.cache_dir,
+            "max_new_tokens": cfg.eval.max_new_tokens}
+    engine = None
+    if cfg.eval.engine == "local":
+        engine = ClarifierEngine.from_folder(resolved.folder, version=resolved.version, cache_dir=cfg.model.cache_dir,
+                                             max_new_tokens=cfg.eval.max_new_tokens)
+    sim_fn, sim_info = _similarity_fn(cfg, progress)
     models: dict[str, dict] = {}
     t0 = time.time()
-    preds = engine.predict(examples, batch_size=cfg.eval.batch_size, progress=bar("model"))
+    preds = _predict(cfg, spec, examples, engine=engine, progress=progress, bar=bar("model"))
     secs = time.time() - t0
-    models["model"] = {"metrics": evaluate_predictions(examples, preds), "scores": [p.confidence for p in preds], "gold": gold}
+    models["model"] = {"metrics": evaluate_predictions(examples, preds, similarity_fn=sim_fn),
+                       "scores": [p.confidence for p in preds], "gold": gold}
     samples = [{"id": e.id, "query": e.query, "gold": e.needs_clarification, "gold_question": e.clarifying_question,
                 "pred": p.needs_clarification, "confidence": round(p.confidence, 4), "question": p.question,
                 "grounding_turns": list(p.grounding_turns), "valid": p.valid}
                for e, p in list(zip(examples, preds))[:20]]
-    for name in cfg.eval.baselines:
+    del engine
+    baselines = list(dict.fromkeys(["always_ask", "never_ask", "lexical", *cfg.eval.baselines]))
+    for name in baselines:
         if name == "base_model":
             # Zero-shot decision: clarify iff P(clarify) > P(answer), i.e. threshold 0.5.
-            base = ClarifierEngine.from_base(engine_base(resolved.folder), cache_dir=cfg.model.cache_dir,
-                                             threshold=0.5, prompt_opts=engine.opts)
-            bp = _score_only(base, examples, cfg.eval.batch_size, bar("base_model"))
+            base_spec = {"base_model": meta.base_model, "cache_dir": cfg.model.cache_dir, "threshold": 0.5,
+                         "prompt": meta.prompt or {}}
+            base = None
+            if cfg.eval.engine == "local":
+                base = ClarifierEngine.from_base(meta.base_model, cache_dir=cfg.model.cache_dir, threshold=0.5,
+                                                 prompt_opts=meta.prompt_options())
+            bp = _predict(cfg, base_spec, examples, engine=base, mode="score", progress=progress,
+                          bar=bar("base_model"))
             del base
         else:
-            bp = _baseline(name, examples)
-        models[name] = {"metrics": evaluate_predictions(examples, bp), "scores": [p.confidence for p in bp], "gold": gold}
+            bp = baseline_predictions(name, examples)
+        models[name] = {"metrics": evaluate_predictions(examples, bp, similarity_fn=sim_fn),
+                        "scores": [p.confidence for p in bp], "gold": gold}
     report = {
         "model_uri": model_uri, "model_version": resolved.version, "data": data, "split": cfg.eval.split,
-        "n": len(examples), "threshold": engine.threshold, "seconds_model": round(secs, 1),
+        "data_name": ed.name, "data_fingerprint": ed.fingerprint,
+        "n": len(examples), "skipped_lines": len(ed.skipped), "skipped": ed.skipped[:50],
+        "threshold": meta.threshold, "engine": cfg.eval.engine, "seconds_model": round(secs, 1),
+        "semantic_encoder": sim_info,
         "notes": "base_model is the untrained base model with the same prompt, zero-shot (clarify iff "
-                 "P(clarify) > P(answer)), decision only (no decoding).",
+                 "P(clarify) > P(answer)), decision only (no decoding). lexical is the rule-based heuristic "
+                 "of clarifier.evaluation.baselines (pronoun/short query + 2+ candidate entities in the history).",
         "models": models, "samples": samples,
     }
     out = Path(out_dir or tempfile.mkdtemp(prefix="clarifier-eval-"))
@@ -163,4 +253,5 @@ def _log_to_mlflow(run_id: str, report: dict, out: Path, tracking_uri: str | Non
             prefix = "eval" if name == "model" else f"eval_baseline/{name}"
             metrics.update(_flat_metrics(prefix, m["metrics"]))
         mlflow.log_metrics(metrics)
+        mlflow.set_tags({"eval.data": report.get("data_name", ""), "eval.data_fingerprint": report.get("data_fingerprint", "")})
         mlflow.log_artifacts(str(out), artifact_path="eval")

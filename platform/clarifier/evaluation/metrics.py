@@ -12,7 +12,9 @@ Conventions used throughout:
   (``tp``/``fp``/``fn``/``tn``/``n``) to tell "0 because empty" from "0 because wrong".
 * Metrics that are *undefined* rather than zero -- AUROC with a single gold class, question or
   grounding metrics over zero rows -- are ``None``.
-* ``rougeL_f`` is on a 0-1 scale; ``bleu`` and ``chrf`` keep sacrebleu's 0-100 scale.
+* ``rougeL_f`` is on a 0-1 scale; ``bleu`` and ``chrf`` keep sacrebleu's 0-100 scale;
+  ``semantic_similarity`` is a mean cosine similarity (-1..1) from a caller-supplied sentence
+  encoder (``clarifier.similarity.SentenceEncoder().similarity``), None when none is given.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     from clarifier.schema import Example
+
+SimilarityFn = Callable[[list, list], Sequence[float]]
 
 
 @dataclass
@@ -269,6 +273,17 @@ def question_metrics(refs: Sequence[str], hyps: Sequence[str]) -> dict:
     }
 
 
+def semantic_similarity(refs: Sequence[str], hyps: Sequence[str], similarity_fn: SimilarityFn | None) -> float | None:
+    """Mean of ``similarity_fn(refs, hyps)`` (pairwise cosine similarities); None with no pairs or no fn."""
+    _check_same_length(refs, hyps, "refs", "hyps")
+    if similarity_fn is None or not refs:
+        return None
+    sims = [float(x) for x in similarity_fn([str(r) for r in refs], [str(h) for h in hyps])]
+    if len(sims) != len(refs):
+        raise ValueError(f"similarity_fn returned {len(sims)} values for {len(refs)} pairs")
+    return sum(sims) / len(sims)
+
+
 # ---- grounding -------------------------------------------------------------------------------
 
 
@@ -305,14 +320,17 @@ def grounding_metrics(gold_sets: Sequence[Iterable], pred_sets: Sequence[Iterabl
 
 
 def evaluate_predictions(
-    examples: Sequence["Example"], preds: Sequence[Prediction], threshold: float | None = None
+    examples: Sequence["Example"], preds: Sequence[Prediction], threshold: float | None = None,
+    similarity_fn: SimilarityFn | None = None,
 ) -> dict:
     """All metrics of one model (or baseline) on an evaluation set.
 
     Decisions are ``confidence >= threshold`` when ``threshold`` is given, else each prediction's
     ``needs_clarification``. Question and grounding metrics are computed on the true positives
     (gold clarify and predicted clarify); the question metrics additionally need a non-empty
-    predicted question (``question.missing`` counts true positives without one). Grounding of
+    predicted question (``question.missing`` counts true positives without one). With
+    ``similarity_fn`` (pairwise cosine similarity of two equal-length string lists) the mean
+    ``question.semantic_similarity`` of those same pairs is added (None without it). Grounding of
     turns is under ``grounding``, of passages under ``grounding_passages``.
 
     Raises ValueError when ``examples`` and ``preds`` differ in length.
@@ -330,6 +348,9 @@ def evaluate_predictions(
     question = question_metrics(
         [examples[i].clarifying_question or "" for i in q_idx],
         [preds[i].question or "" for i in q_idx],
+    )
+    question["semantic_similarity"] = semantic_similarity(
+        [examples[i].clarifying_question or "" for i in q_idx], [preds[i].question or "" for i in q_idx], similarity_fn
     )
     question["missing"] = len(tp_idx) - len(q_idx)
 

@@ -28,8 +28,10 @@ COLUMNS: list[tuple[str, tuple[str, ...]]] = [
     ("R", ("decision", "recall")),
     ("F1", ("decision", "f1")),
     ("Over-ask", ("decision", "over_asking_rate")),
+    ("Under-ask", ("decision", "under_asking_rate")),
     ("AUROC", ("auroc",)),
     ("ROUGE-L", ("question", "rougeL_f")),
+    ("SemSim", ("question", "semantic_similarity")),
     ("Ground EM", ("grounding", "exact_match")),
     ("Valid", ("validity",)),
 ]
@@ -218,9 +220,14 @@ def _markdown(report: dict, plots: dict[str, Path]) -> str:
     if info:
         out.append("")
     out += [_markdown_table(report), "", _skipped_line(report), ""]
+    if "skipped_lines" in report:
+        out += [f"Malformed evaluation-set lines skipped: {report['skipped_lines']}"
+                + (" (see `skipped` above for source, line and reason)." if report["skipped_lines"] else "."), ""]
     out.append(
         "P/R/F1 are for the *clarify* class; over-ask = share of clear turns the model asked about; "
-        "ROUGE-L is on true positives; Valid = share of outputs that parsed. n/a = undefined."
+        "under-ask = share of turns needing clarification it answered directly; ROUGE-L and SemSim "
+        "(mean cosine similarity of all-MiniLM-L6-v2 embeddings of generated vs reference question) are "
+        "on true positives; Valid = share of outputs that parsed. n/a = undefined."
     )
     titles = {"pr_curve": "Precision-recall", "over_asking": "Over-asking vs recall", "calibration": "Calibration"}
     if plots:

@@ -30,9 +30,121 @@ def _client(tracking_uri: str | None = None):
     return MlflowClient(tracking_uri=tracking_uri)
 
 
+# Metrics kept as model-version tags (``eval.<key>``) and compared by the promotion gate / diff:
+# key -> path into an ``evaluate_predictions`` metrics dict.
+KEY_METRICS: dict[str, tuple[str, ...]] = {
+    "f1": ("decision", "f1"),
+    "precision": ("decision", "precision"),
+    "recall": ("decision", "recall"),
+    "over_asking_rate": ("decision", "over_asking_rate"),
+    "under_asking_rate": ("decision", "under_asking_rate"),
+    "auroc": ("auroc",),
+    "ece": ("ece",),
+    "validity": ("validity",),
+    "rougeL_f": ("question", "rougeL_f"),
+    "semantic_similarity": ("question", "semantic_similarity"),
+    "grounding_em": ("grounding", "exact_match"),
+    "n": ("n",),
+}
+EVAL_SET_TAG = "eval.sets."  # + first 16 hex of the evaluation set's fingerprint -> JSON {data, fingerprint, metrics}
+
+
+def key_metrics(metrics: dict) -> dict[str, float | None]:
+    """The ``KEY_METRICS`` of an ``evaluate_predictions`` result (None where undefined)."""
+    out: dict[str, float | None] = {}
+    for key, path in KEY_METRICS.items():
+        v = metrics
+        for p in path:
+            v = v.get(p) if isinstance(v, dict) else None
+        out[key] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return out
+
+
+def eval_set_tags(data_name: str, fingerprint: str, metrics: dict[str, float | None]) -> dict[str, str]:
+    """The per-evaluation-set tag of a version: ``eval.sets.<fp16>`` = compact JSON."""
+    import json
+
+    body = {"data": data_name[-300:], "fingerprint": fingerprint,
+            "metrics": dict(metrics)}  # exact floats: the gate compares these
+    return {EVAL_SET_TAG + fingerprint[:16]: json.dumps(body, separators=(",", ":"))}
+
+
+def eval_tags(report: dict) -> dict[str, str]:
+    """Version tags from an evaluation report: ``eval.<metric>`` of the model, its data set and fingerprint."""
+    km = key_metrics(report["models"]["model"]["metrics"])
+    tags = {f"eval.{k}": ("" if v is None else repr(v)) for k, v in km.items()}
+    tags["eval.data"] = str(report.get("data_name") or report.get("data") or "")[-500:]
+    fp = report.get("data_fingerprint") or ""
+    tags["eval.data_fingerprint"] = fp
+    if fp:
+        tags.update(eval_set_tags(tags["eval.data"], fp, km))
+    return tags
+
+
+def logged_eval_sets(tags: dict) -> dict[str, dict]:
+    """fingerprint -> {"data", "fingerprint", "metrics"} for every evaluation set logged on a version."""
+    import json
+
+    out = {}
+    for k, v in (tags or {}).items():
+        if k.startswith(EVAL_SET_TAG):
+            try:
+                body = json.loads(v)
+                out[body["fingerprint"]] = body
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
+def _run_json_artifact(client, run_id: str, path: str):
+    """A JSON artifact of a run, or None when the run does not have it."""
+    import json
+
+    folder, _, fname = path.rpartition("/")
+    try:
+        if not any(a.path == path for a in client.list_artifacts(run_id, folder or None)):
+            return None, None
+        with tempfile.TemporaryDirectory() as d:
+            local = client.download_artifacts(run_id, path, d)
+            text = Path(local).read_text()
+        return json.loads(text), text
+    except Exception:  # an unreadable artifact is no lineage, not a failed registration
+        return None, None
+
+
+def lineage_tags(run_id: str, tracking_uri: str | None = None, client=None) -> dict[str, str]:
+    """Tags of a new version from its training run: run id, data manifest (uri, sha256), base model, eval metrics.
+
+    The manifest is the run's ``data/manifest.json`` artifact (logged by training), the eval metrics
+    its ``eval/report.json`` (logged by ``clarifier eval --run-id``) when there is one.
+    """
+    client = client or _client(tracking_uri)
+    run = client.get_run(run_id)
+    t, p = run.data.tags, run.data.params
+    tags = {"clarifier.run_id": run_id}
+    base = t.get("clarifier.base_model") or p.get("model.base_model")
+    if base:
+        tags["clarifier.base_model"] = base
+    manifest, text = _run_json_artifact(client, run_id, "data/manifest.json")
+    data_uri = (manifest or {}).get("output") or t.get("clarifier.data") or p.get("data.output")
+    if data_uri:
+        tags["clarifier.data"] = str(data_uri)
+    if text is not None:
+        tags["clarifier.data_manifest_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+        tags["clarifier.data_manifest"] = f"runs:/{run_id}/data/manifest.json"
+    report, _ = _run_json_artifact(client, run_id, "eval/report.json")
+    if report and isinstance(report.get("models"), dict) and "model" in report["models"]:
+        tags.update(eval_tags(report))
+    return tags
+
+
 def register_adapter(run_id: str, name: str, *, artifact_path: str = "adapter", alias: str | None = None,
                      tags: dict | None = None, tracking_uri: str | None = None):
-    """Create a model version from a run's adapter artifacts; optionally point ``alias`` at it."""
+    """Create a model version from a run's adapter artifacts; optionally point ``alias`` at it.
+
+    The version is tagged with its lineage (``lineage_tags``: run id, data manifest, base model,
+    eval metrics when the run has an eval report); ``tags`` are added on top.
+    """
     from mlflow.exceptions import MlflowException
 
     client = _client(tracking_uri)
@@ -42,7 +154,8 @@ def register_adapter(run_id: str, name: str, *, artifact_path: str = "adapter", 
         client.create_registered_model(name, description="Clarifier query-clarification adapters (PEFT LoRA).")
     run = client.get_run(run_id)
     source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
-    mv = client.create_model_version(name=name, source=source, run_id=run_id, tags={k: str(v) for k, v in (tags or {}).items()})
+    all_tags = {**lineage_tags(run_id, client=client), **{k: str(v) for k, v in (tags or {}).items()}}
+    mv = client.create_model_version(name=name, source=source, run_id=run_id, tags=all_tags)
     if alias:
         client.set_registered_model_alias(name, alias, mv.version)
     return mv

@@ -1,0 +1,125 @@
+"""Evaluation on the tiny model: the Ray Data engine equals the local one; the report carries the
+baselines (lexical included), semantic similarity and the skipped malformed lines."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+RAY_CPUS = 2
+
+BATCH = 3  # small, so the set spans several batches with different padding and a short last one
+
+
+def _examples(n=10):
+    from clarifier.data.synthetic import generate_conversations
+    from clarifier.schema import ConversationLog
+
+    out = []
+    for conv in generate_conversations(40, seed=11):
+        for ex in ConversationLog.model_validate(conv).explode():
+            if ex.history:
+                out.append(ex)
+    # a mix of clarify and answer turns, in a fixed order
+    pos = [e for e in out if e.needs_clarification][: n // 2]
+    neg = [e for e in out if not e.needs_clarification][: n - len(pos)]
+    return [e for pair in zip(pos, neg) for e in pair]
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory, tiny_model_dir):
+    """A LoRA adapter on the tiny model whose threshold is the median P(clarify) of the eval set, so
+    about half of the turns take the generation path."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from clarifier.inference import ClarifierEngine, ModelMeta, write_meta
+
+    folder = tmp_path_factory.mktemp("eval-engines") / "adapter"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                           LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    write_meta(folder, ModelMeta(base_model=str(tiny_model_dir), threshold=0.5))
+    scores = ClarifierEngine.from_folder(folder).score_examples(_examples(), BATCH)
+    write_meta(folder, ModelMeta(base_model=str(tiny_model_dir), threshold=statistics.median(scores)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("eval-set") / "eval.jsonl"
+    lines = [e.model_dump_json() for e in _examples()]
+    lines.insert(2, '{"id": "bad", "query": "x", "needs_clarification": "maybe"}')  # line 3: malformed
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.timeout(600)
+def test_ray_engine_equals_local_engine(adapter, tiny_model_dir, ray_local):
+    from clarifier.evaluation.ray_engine import ray_predict
+    from clarifier.inference import ClarifierEngine
+
+    examples = _examples()
+    local_engine = ClarifierEngine.from_folder(adapter, max_new_tokens=8)
+    local = local_engine.predict(examples, batch_size=BATCH)
+    asked = sum(p.confidence >= local_engine.threshold for p in local)
+    assert 0 < asked < len(examples)  # both paths (score only, score + generate) are exercised
+
+    remote = ray_predict(examples, {"model_uri": str(adapter), "max_new_tokens": 8}, batch_size=BATCH,
+                         actors=2, cpus_per_actor=0.5)
+    assert remote == local  # every field, every example, in order
+
+    base_local = ClarifierEngine.from_base(str(tiny_model_dir), threshold=0.5).score_examples(examples, BATCH)
+    base_remote = ray_predict(examples, {"base_model": str(tiny_model_dir), "threshold": 0.5}, mode="score",
+                              batch_size=BATCH, actors=1, cpus_per_actor=0.5)
+    assert [p.confidence for p in base_remote] == base_local
+    assert [p.needs_clarification for p in base_remote] == [s >= 0.5 for s in base_local]
+
+
+@pytest.mark.timeout(900)
+def test_eval_report_local_and_ray_agree_and_carry_baselines_similarity_skips(
+        adapter, eval_file, ray_local, tmp_path):
+    from clarifier.config import build_config
+    from clarifier.evaluation.baselines import lexical_predictions
+    from clarifier.evaluation.evaluate import evaluate, load_eval_data
+    from clarifier.similarity import SentenceEncoder
+
+    base = [f"eval.batch_size={BATCH}", "eval.max_new_tokens=8", "eval.baselines=[always_ask,never_ask,lexical]"]
+    msgs: list[str] = []
+    local = evaluate(build_config({}, base), str(adapter), str(eval_file), out_dir=str(tmp_path / "local"),
+                     progress=msgs.append)
+    remote = evaluate(build_config({}, base + ["eval.engine=ray", "eval.ray_actors=2", "eval.ray_cpus_per_actor=0.5"]),
+                      str(adapter), str(eval_file), out_dir=str(tmp_path / "ray"), progress=lambda m: None)
+
+    assert set(local["models"]) == {"model", "always_ask", "never_ask", "lexical"}
+    for name in local["models"]:
+        assert remote["models"][name]["metrics"] == local["models"][name]["metrics"], name
+        assert remote["models"][name]["scores"] == local["models"][name]["scores"], name
+    assert (local["engine"], remote["engine"]) == ("local", "ray")
+
+    # the malformed line is reported by number, skipped and counted
+    assert local["n"] == 10 and local["skipped_lines"] == 1
+    assert local["skipped"][0]["line"] == 3 and "needs_clarification" in local["skipped"][0]["reason"]
+    assert any("eval.jsonl:3" in m for m in msgs)
+    md = (tmp_path / "local" / "report.md").read_text()
+    assert "Malformed evaluation-set lines skipped: 1" in md and "SemSim" in md and "| lexical |" in md
+
+    # semantic similarity: present for every model; the lexical baseline's equals MiniLM on its true positives
+    examples = load_eval_data(str(eval_file)).examples
+    preds = lexical_predictions(examples)
+    tp = [i for i, (e, p) in enumerate(zip(examples, preds)) if e.needs_clarification and p.needs_clarification]
+    assert tp
+    sims = SentenceEncoder().similarity([examples[i].clarifying_question for i in tp], [preds[i].question for i in tp])
+    lex_q = local["models"]["lexical"]["metrics"]["question"]
+    assert lex_q["n"] == len(tp)
+    assert lex_q["semantic_similarity"] == pytest.approx(float(sims.mean()), abs=1e-6)
+    assert 0.0 < lex_q["semantic_similarity"] <= 1.0
+    rj = json.loads((tmp_path / "local" / "report.json").read_text())
+    for entry in rj["models"].values():
+        assert "semantic_similarity" in entry["metrics"]["question"]
+    assert rj["data_fingerprint"] == load_eval_data(str(eval_file)).fingerprint
