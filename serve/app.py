@@ -13,8 +13,12 @@ Deploy declaratively to a running cluster (edit ``serve_config.yaml`` first)::
     serve deploy serve/serve_config.yaml
     serve status
     curl -s localhost:8000/readyz
-    curl -s localhost:8000/v1/clarify -H 'content-type: application/json' \
+    curl -s localhost:8000/v1/clarify -H 'content-type: application/json' -H "Authorization: Bearer $KEY" \
         -d '{"history": [{"role": "user", "text": "I have a checking and a savings account"}], "query": "close it"}'
+
+API keys come from ``$CLARIFIER_API_KEYS`` (comma separated) / ``api_keys_file`` where the app is
+built; without any, authentication is off (the ingress logs a warning). Prometheus metrics: Ray's
+metrics port on every node (``ray_clarifier_*``), or ``GET /metrics`` on the API.
 
 Interactive API docs are served at ``/docs``. From Python, ``clarifier.serving.app.run_local``
 starts Serve locally and returns the base URL once ``/readyz`` is 200.

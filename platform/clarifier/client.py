@@ -8,14 +8,19 @@
                           "how do I close it?")
             print(r.needs_clarification, r.question)
 
-Connect errors and 502/503/504 answers are retried ``retries`` times with exponential backoff
-(``backoff * 2**attempt`` seconds); other 4xx/5xx answers raise :class:`ClarifierAPIError`
-carrying the server's ``detail``. Bodies are not validated client-side, so the server's 422
-(which names the bad field) is what you see.
+Connect errors and 502/503/504 answers (503 is also what an overloaded server answers) are
+retried ``retries`` times with exponential backoff (``backoff * 2**attempt`` seconds, or the
+server's ``Retry-After`` when longer, capped at 30 s); other 4xx/5xx answers raise
+:class:`ClarifierAPIError` carrying the server's ``detail`` (401: missing/wrong API key). Bodies are
+not validated client-side, so the server's 422 (which names the bad field) is what you see.
+
+The API key is sent as ``Authorization: Bearer <key>`` (or ``X-API-Key`` with
+``api_key_header="x-api-key"``); it defaults to ``$CLARIFIER_API_KEY``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -26,6 +31,7 @@ from pydantic import BaseModel
 from .schema import ClarifyResponse, Passage, Turn
 
 RETRY_STATUS = frozenset({502, 503, 504})
+MAX_RETRY_AFTER_S = 30.0
 
 
 class ClarifierError(Exception):
@@ -53,6 +59,13 @@ def _dump(item: Turn | Passage | Mapping[str, Any] | BaseModel) -> Any:
     raise TypeError(f"expected a Turn/Passage model or a mapping, got {type(item).__name__}")
 
 
+def _retry_after(resp: httpx.Response) -> float:
+    try:
+        return min(MAX_RETRY_AFTER_S, max(0.0, float(resp.headers.get("retry-after", 0))))
+    except ValueError:  # an HTTP date: not worth parsing here
+        return 0.0
+
+
 def _detail(resp: httpx.Response) -> Any:
     try:
         body = resp.json()
@@ -63,15 +76,22 @@ def _detail(resp: httpx.Response) -> Any:
 
 class ClarifierClient:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 10.0,
-                 retries: int = 3, backoff: float = 0.2, transport: httpx.BaseTransport | None = None):
+                 retries: int = 3, backoff: float = 0.2, transport: httpx.BaseTransport | None = None,
+                 api_key_header: str = "authorization"):
         if retries < 0:
             raise ValueError("retries must be >= 0")
+        if api_key_header.lower() not in ("authorization", "x-api-key"):
+            raise ValueError("api_key_header must be 'authorization' (Bearer) or 'x-api-key'")
         self.base_url = base_url.rstrip("/")
         self.retries = retries
         self.backoff = backoff
         headers = {"Accept": "application/json"}
+        api_key = api_key if api_key is not None else os.environ.get("CLARIFIER_API_KEY")
         if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
+            if api_key_header.lower() == "authorization":
+                headers["Authorization"] = f"Bearer {api_key}"
+            else:
+                headers["X-API-Key"] = api_key
         self._http = httpx.Client(base_url=self.base_url + "/", timeout=timeout, headers=headers,
                                   transport=transport)
 
@@ -81,6 +101,7 @@ class ClarifierClient:
         """Send with retries on connect errors and 502/503/504; return the final response."""
         attempt = 0
         while True:
+            wait = self.backoff * (2 ** attempt)
             try:
                 resp = self._http.request(method, path.lstrip("/"), **kw)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
@@ -91,7 +112,8 @@ class ClarifierClient:
             else:
                 if resp.status_code not in RETRY_STATUS or attempt >= self.retries:
                     return resp
-            time.sleep(self.backoff * (2 ** attempt))
+                wait = max(wait, _retry_after(resp))
+            time.sleep(wait)
             attempt += 1
 
     # ---- API ----------------------------------------------------------------------------------
@@ -104,6 +126,15 @@ class ClarifierClient:
         if resp.status_code != 200:
             raise ClarifierAPIError(resp.status_code, _detail(resp))
         return ClarifyResponse.model_validate(resp.json())
+
+    def clarify_batch(self, requests: Iterable[Mapping[str, Any] | BaseModel]) -> list[ClarifyResponse]:
+        """``POST /v1/clarify/batch``: requests as ClarifyRequest models or mappings with ``history``,
+        ``query``, ``passages``; answers in the same order (413 over ``max_batch_requests``)."""
+        body = [_dump(r) for r in requests]
+        resp = self._request("POST", "/v1/clarify/batch", json=body)
+        if resp.status_code != 200:
+            raise ClarifierAPIError(resp.status_code, _detail(resp))
+        return [ClarifyResponse.model_validate(x) for x in resp.json()]
 
     def ready(self) -> bool:
         """True when ``/readyz`` answers 200 (one attempt, never raises)."""

@@ -2,6 +2,7 @@
 
 The adapter's threshold is 0 so every request takes the generation path; the tiny random model
 produces garbage, which exercises the engine's malformed-output fallback (valid_output=False).
+The server requires an API key (two keys configured through $CLARIFIER_API_KEYS).
 The first tests (config file, app_builder args) do not start Ray.
 """
 
@@ -25,6 +26,10 @@ from clarifier.schema import ClarifyResponse  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 MAX_HISTORY = 5
 MAX_CHARS = 3000
+MAX_BATCH = 4
+KEY, OTHER_KEY = "test-key-4f9a0c", "second-key-77b1"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+RAY_METRICS: dict = {}  # Ray's Prometheus endpoint of the test cluster (port set by the fixture)
 
 HISTORY = [
     {"role": "user", "text": "I have a checking account and a savings account."},
@@ -111,20 +116,30 @@ def server(model_folder):
 
     from clarifier.serving.app import run_local
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    import os
+
+    old = os.environ.get("CLARIFIER_API_KEYS")
+    os.environ["CLARIFIER_API_KEYS"] = f"{KEY}, {OTHER_KEY}"  # read by build_app, in this process
+    RAY_METRICS["port"] = _free_port()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=RAY_METRICS["port"])
     try:
         cfg = ServeConfig(model_uri=str(model_folder), port=_free_port(), max_new_tokens=12,
                           max_history_turns=MAX_HISTORY, max_chars=MAX_CHARS, max_batch_size=8,
-                          batch_wait_timeout_s=0.05)
+                          batch_wait_timeout_s=0.05, max_batch_requests=MAX_BATCH, cpus_per_replica=0.5)
         url = run_local(cfg, ready_timeout_s=120)
         yield url
     finally:
         serve.shutdown()
         ray.shutdown()
+        if old is None:
+            os.environ.pop("CLARIFIER_API_KEYS", None)
+        else:
+            os.environ["CLARIFIER_API_KEYS"] = old
 
 
-def _post(url, body, timeout=60):
-    return httpx.post(f"{url}/v1/clarify", json=body, timeout=timeout)
+def _post(url, body, timeout=60, headers=AUTH, path="/v1/clarify"):
+    return httpx.post(f"{url}{path}", json=body, timeout=timeout, headers=headers)
 
 
 @pytest.mark.integration
@@ -200,7 +215,7 @@ def test_client_against_server(server, model_folder):
     from clarifier.client import ClarifierAPIError, ClarifierClient
     from clarifier.schema import Passage, Turn
 
-    with ClarifierClient(server, api_key="secret", timeout=60) as c:
+    with ClarifierClient(server, api_key=KEY, timeout=60) as c:
         assert c.ready()
         assert c.model_version() == str(model_folder)
         resp = c.clarify([Turn(**HISTORY[0]), HISTORY[1]], "how do I close it?", [Passage(**PASSAGES[0])])
@@ -234,7 +249,7 @@ def test_engine_errors_are_500_without_internals_and_slow_model_is_not_ready(ser
     app = ClarifierIngress.options(ray_actor_options={"num_cpus": 0}).bind(BrokenModel.bind(), ready_timeout_s=0.5)
     serve.run(app, name="broken", route_prefix="/broken")
     try:
-        r = _post(server + "/broken", {"query": "close it"})
+        r = _post(server + "/broken", {"query": "close it"}, headers={})  # no keys given to this app
         assert r.status_code == 500
         assert "SECRET" not in r.text and "Traceback" not in r.text and "RuntimeError" not in r.text
         assert r.json()["detail"]["error"] == "internal error"
@@ -243,3 +258,212 @@ def test_engine_errors_are_500_without_internals_and_slow_model_is_not_ready(ser
         assert httpx.get(f"{server}/readyz", timeout=30).status_code == 200  # the real app is unaffected
     finally:
         serve.delete("broken")
+
+
+# ---- config -> Serve options (no Ray) --------------------------------------------------------------
+
+
+def test_deployment_options_from_config():
+    from clarifier.serving.app import deployment_options
+
+    cfg = ServeConfig(max_ongoing_requests=2, max_batch_size=4, max_queued_requests=6, cpus_per_replica=2,
+                      gpus_per_replica=1, num_replicas=3)
+    model, ingress = deployment_options(cfg, {"AWS_REGION": "eu-west-1"})
+    assert model["max_ongoing_requests"] == 4  # raised to max_batch_size
+    assert model["max_queued_requests"] == 6 and model["num_replicas"] == 3
+    assert model["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1,
+                                          "runtime_env": {"env_vars": {"AWS_REGION": "eu-west-1"}}}
+    assert "autoscaling_config" not in model and ingress["num_replicas"] == 1
+    assert ingress["ray_actor_options"]["num_cpus"] == 0
+    assert ingress["max_ongoing_requests"] >= 4 * 3 + 6  # the ingress can hold what the model side can
+
+    auto = ServeConfig.model_validate({"autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 2,
+                                                       "target_ongoing_requests": 3, "upscale_delay_s": 1,
+                                                       "downscale_delay_s": 5}})
+    model, ingress = deployment_options(auto)
+    assert "num_replicas" not in model and "ray_actor_options" in model
+    a = model["autoscaling_config"]
+    assert (a["min_replicas"], a["max_replicas"], a["target_ongoing_requests"], a["upscale_delay_s"],
+            a["downscale_delay_s"]) == (1, 2, 3, 1, 5)
+    assert ingress["autoscaling_config"]["max_replicas"] == 2
+    from ray.serve.config import AutoscalingConfig
+
+    AutoscalingConfig(**a)  # Serve accepts it
+    AutoscalingConfig(**ingress["autoscaling_config"])
+    with pytest.raises(ConfigError, match="max_replicas"):
+        from clarifier.serving.app import parse_app_args
+
+        parse_app_args({"autoscaling.enabled": "true", "autoscaling.min_replicas": "3", "autoscaling.max_replicas": "2"})
+
+
+@pytest.mark.parametrize("source", ["serve/serve_config.yaml", "infra/k8s/rayservice.yaml"])
+def test_deploy_configs_autoscaling_matches_their_args(source):
+    """The Serve-level ClarifierModel override (what Serve applies) equals what the app args build."""
+    from clarifier.serving.app import autoscaling_config, deployment_options, parse_app_args
+
+    doc = yaml.safe_load((REPO / source).read_text())
+    if doc.get("kind") == "RayService":
+        doc = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    (app,) = [a for a in doc["applications"] if a["import_path"] == "clarifier.serving.app:app_builder"]
+    cfg, _ = parse_app_args(app["args"])
+    assert cfg.autoscaling.enabled, f"{source}: args.autoscaling.enabled should be true"
+    (model,) = [d for d in app["deployments"] if d["name"] == "ClarifierModel"]
+    expected = autoscaling_config(cfg)
+    assert model["autoscaling_config"] == expected, f"{source}: deployments autoscaling_config != args.autoscaling"
+    opts, _ = deployment_options(cfg)
+    for key in ("max_ongoing_requests", "max_queued_requests"):
+        assert model[key] == opts[key], f"{source}: deployments.{key} != what the args build"
+    # ray_actor_options stay in code (an override would replace the forwarded runtime_env)
+    assert "ray_actor_options" not in model
+
+
+# ---- API keys, batch endpoint, metrics ------------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_api_keys_are_required_and_never_echoed(server):
+    body = {"history": HISTORY, "query": "how do I close it?"}
+    r = _post(server, body, headers={})
+    assert r.status_code == 401 and r.json()["detail"]["error"] == "unauthorized"
+    assert "missing API key" in r.json()["detail"]["message"] and r.headers["www-authenticate"] == "Bearer"
+    wrong = "wrong-" + KEY
+    for headers in ({"Authorization": f"Bearer {wrong}"}, {"X-API-Key": wrong}, {"Authorization": f"Basic {KEY}"},
+                    {"Authorization": f"Bearer {KEY[:-1]}"}):
+        r = _post(server, body, headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert wrong not in r.text and KEY not in r.text
+    # auth comes before body validation: an unauthenticated bad body learns nothing about the schema
+    r = _post(server, {"unexpected": 1}, headers={"X-API-Key": wrong})
+    assert r.status_code == 401 and "unexpected" not in r.text
+    for headers in (AUTH, {"X-API-Key": KEY}, {"Authorization": f"bearer {OTHER_KEY}"}):
+        r = _post(server, body, headers=headers)
+        assert r.status_code == 200, (headers, r.text)
+        assert KEY not in r.text and OTHER_KEY not in r.text
+    r = _post(server, [body], headers={}, path="/v1/clarify/batch")
+    assert r.status_code == 401
+    assert httpx.get(f"{server}/metrics").status_code == 401
+    assert httpx.get(f"{server}/healthz").status_code == 200  # probes stay open
+    assert httpx.get(f"{server}/readyz", timeout=30).status_code == 200
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_batch_endpoint(server, model_folder):
+    bodies = [{"history": HISTORY, "query": "how do I close it?", "passages": PASSAGES},
+              {"query": "what is the weather like?"},
+              {"history": HISTORY[:1], "query": "and the other one?"}]
+    r = _post(server, bodies, path="/v1/clarify/batch", timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out, list) and len(out) == 3
+    for item in out:
+        assert set(item) == set(ClarifyResponse.model_fields)
+        assert ClarifyResponse.model_validate(item).model_version == str(model_folder)
+    # same answers as one by one (greedy decoding, same engine): order is kept
+    single = _post(server, bodies[1]).json()
+    assert out[1]["confidence"] == pytest.approx(single["confidence"], abs=1e-4)
+
+    r = _post(server, [{"query": "q"}] * (MAX_BATCH + 1), path="/v1/clarify/batch")
+    assert r.status_code == 413
+    d = r.json()["detail"]
+    assert (d["limit"], d["max"], d["value"]) == ("max_batch_requests", MAX_BATCH, MAX_BATCH + 1)
+    too_long = [{"query": "ok"}, {"query": "q", "history": [{"role": "user", "text": "t"}] * (MAX_HISTORY + 1)}]
+    r = _post(server, too_long, path="/v1/clarify/batch")
+    assert r.status_code == 413
+    d = r.json()["detail"]
+    assert d["limit"] == "max_history_turns" and d["index"] == 1 and "requests[1]" in d["message"]
+    r = _post(server, [{"query": "ok"}, {"history": []}], path="/v1/clarify/batch")
+    assert r.status_code == 422
+    assert any(e["loc"][-2:] == [1, "query"] for e in r.json()["detail"]), r.text
+    r = _post(server, [], path="/v1/clarify/batch")
+    assert r.status_code == 422 and "empty" in r.text
+    r = _post(server, {"query": "not a list"}, path="/v1/clarify/batch")
+    assert r.status_code == 422
+
+
+def _samples(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_metrics_counters_move(server):
+    before = _samples(httpx.get(f"{server}/metrics", headers=AUTH).text)
+    r = _post(server, {"history": HISTORY, "query": "how do I close it?"})
+    assert r.status_code == 200
+    body = r.json()
+    assert _post(server, [{"query": "a?"}, {"query": "b?"}], path="/v1/clarify/batch").status_code == 200
+    assert _post(server, {"query": "x"}, headers={}).status_code == 401
+    assert _post(server, {"query": ""}).status_code == 422
+    r = httpx.get(f"{server}/metrics", headers=AUTH)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    after = _samples(r.text)
+
+    def delta(name, **labels):
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    assert delta("clarifier_requests_total", route="clarify", status="200") == 1
+    assert delta("clarifier_requests_total", route="clarify_batch", status="200") == 1
+    assert delta("clarifier_requests_total", route="clarify", status="401") == 1
+    assert delta("clarifier_requests_total", route="clarify", status="422") == 1
+    assert delta("clarifier_rejected_total", reason="auth") == 1
+    assert delta("clarifier_request_latency_seconds_count", route="clarify") == 3
+    decisions = delta("clarifier_decisions_total", decision="clarify") + delta("clarifier_decisions_total", decision="answer")
+    paths = delta("clarifier_path_total", path="fast") + delta("clarifier_path_total", path="generate")
+    assert decisions == 3 and paths == 3
+    # threshold 0: every answer took the generation path; garbage from the tiny model is invalid
+    assert delta("clarifier_path_total", path="generate") == 3
+    if not body["valid_output"]:
+        assert delta("clarifier_invalid_outputs_total") >= 1
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_client_batch_and_auth(server, model_folder):
+    from clarifier.client import ClarifierAPIError, ClarifierClient
+
+    with ClarifierClient(server, api_key=KEY, timeout=60) as c:
+        out = c.clarify_batch([{"history": HISTORY, "query": "close it?"}, {"query": "hello?"}])
+        assert [r.model_version for r in out] == [str(model_folder)] * 2
+    with ClarifierClient(server, api_key="nope", timeout=60) as c:
+        with pytest.raises(ClarifierAPIError) as ei:
+            c.clarify([], "hello?")
+        assert ei.value.status == 401 and "nope" not in str(ei.value)
+    with ClarifierClient(server, api_key=KEY, api_key_header="x-api-key", timeout=60) as c:
+        assert c.clarify([], "hello?").model_version == str(model_folder)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_ray_metrics_endpoint_exports_clarifier_metrics(server):
+    """The cluster-wide view: Ray's metrics agent exports both deployments' clarifier_* metrics."""
+    assert _post(server, [{"query": "a?"}, {"query": "b?"}], path="/v1/clarify/batch").status_code == 200
+    want = {"ray_clarifier_requests_total": "ClarifierIngress", "ray_clarifier_decisions_total": "ClarifierIngress",
+            "ray_clarifier_batch_size_count": "ClarifierModel", "ray_clarifier_model_info": "ClarifierModel"}
+    deadline = time.monotonic() + 120
+    found: dict = {}
+    while True:
+        try:
+            text = httpx.get(f"http://127.0.0.1:{RAY_METRICS['port']}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            text = ""
+        found = {}
+        for (name, labels), value in _samples(text).items():
+            if name in want and dict(labels).get("deployment") == want[name] and value > 0:
+                found[name] = dict(labels)
+        if set(found) == set(want) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert set(found) == set(want), f"missing from Ray's metrics endpoint: {sorted(set(want) - set(found))}"
+    assert found["ray_clarifier_model_info"]["version"]

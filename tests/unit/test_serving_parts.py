@@ -1,0 +1,186 @@
+"""Pure parts of the serving layer (no Ray started): API keys, model hot-switch, metrics."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import weakref
+
+import pytest
+
+from clarifier.config import ConfigError
+from clarifier.serving.auth import ApiKeyAuth, key_digests, load_api_keys, presented_key
+from clarifier.serving.lifecycle import ModelLifecycle, parse_alias_uri, pinned_uri
+
+# ---- API keys ------------------------------------------------------------------------------------
+
+
+def test_keys_from_env_and_file(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# ops keys\nfile-key-1\n\n  file-key-2  \nenv-key-a\n")
+    keys = load_api_keys(str(f), environ={"CLARIFIER_API_KEYS": " env-key-a, env-key-b ,,"})
+    assert keys == ["env-key-a", "env-key-b", "file-key-1", "file-key-2"]
+    assert load_api_keys(None, environ={}) == []
+    assert load_api_keys(None, environ={"CLARIFIER_API_KEYS": " , "}) == []
+
+
+def test_bad_key_files_are_errors_naming_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="api_keys_file .*missing.*does not exist"):
+        load_api_keys(str(tmp_path / "missing"), environ={})
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n\n")
+    with pytest.raises(ConfigError, match="holds no API key"):
+        load_api_keys(str(empty), environ={"CLARIFIER_API_KEYS": "k"})  # env keys do not excuse a bad file
+
+
+def test_check_compares_against_every_key_and_off_only_without_keys(monkeypatch):
+    auth = ApiKeyAuth(key_digests(["alpha-key", "beta-key", "gamma-key"]))
+    assert auth.enabled and auth.n_keys == 3
+    assert auth.check("alpha-key") and auth.check("gamma-key")
+    for bad in (None, "", "alpha", "alpha-key ", "ALPHA-KEY", "delta-key"):
+        assert not auth.check(bad), bad
+
+    import clarifier.serving.auth as auth_mod
+
+    calls = []
+    real = auth_mod.hmac.compare_digest
+    monkeypatch.setattr(auth_mod.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    assert auth.check("alpha-key")  # matches the first key ...
+    assert len(calls) == 3  # ... yet every configured digest is compared (no early exit)
+
+    off = ApiKeyAuth(())
+    assert not off.enabled and off.check(None) and off.check("anything")
+
+
+def test_digests_not_keys_are_kept():
+    auth = ApiKeyAuth(key_digests(["s3cr3t-value"]))
+    assert "s3cr3t-value" not in repr(vars(auth))
+
+
+def test_presented_key_headers():
+    assert presented_key({"authorization": "Bearer abc"}) == "abc"
+    assert presented_key({"authorization": "bearer   abc "}) == "abc"
+    assert presented_key({"x-api-key": " k "}) == "k"
+    assert presented_key({"authorization": "Basic abc", "x-api-key": "k"}) == "k"
+    assert presented_key({"authorization": "Bearer "}) is None
+    assert presented_key({}) is None
+
+
+# ---- hot switch ----------------------------------------------------------------------------------
+
+
+class FakeEngine:
+    def __init__(self, version):
+        self.version = version
+
+
+def test_alias_uri_parsing():
+    assert parse_alias_uri("models:/clarifier@champion") == ("clarifier", "champion")
+    assert parse_alias_uri("models:/clarifier/3") is None
+    assert parse_alias_uri("/some/folder") is None and parse_alias_uri("runs:/abc/adapter") is None
+    assert pinned_uri("clarifier/4") == "models:/clarifier/4"
+
+
+def test_switch_loads_new_beside_old_then_releases_old():
+    loaded = []
+    target = {"v": "m/1"}
+
+    def load(uri):
+        loaded.append(uri)
+        return FakeEngine("m/1" if uri == "models:/m@champion" else uri.split("models:/")[1])
+
+    switches = []
+    lc = ModelLifecycle(load, "models:/m@champion", probe=lambda: target["v"], refresh_s=0,
+                        on_switch=lambda old, new, s: switches.append((old, new)))
+    assert not lc.loaded
+    with pytest.raises(RuntimeError, match="not loaded"):
+        lc.engine
+    lc.load_initial()
+    old = weakref.ref(lc.engine)
+    held_by_batch = lc.engine  # a batch in flight keeps its engine
+    assert lc.poll_once() is False and loaded == ["models:/m@champion"]  # alias unchanged: nothing loaded
+    target["v"] = "m/2"
+    assert lc.poll_once() is True
+    assert lc.version == "m/2" and loaded[-1] == "models:/m/2" and switches == [("m/1", "m/2")]
+    assert held_by_batch.version == "m/1"  # the running batch finishes on the old engine
+    del held_by_batch
+    gc.collect()
+    assert old() is None  # and then it is freed
+    assert lc.poll_once() is False and len(loaded) == 2
+
+
+def test_failed_probe_or_load_keeps_serving_and_backs_off(caplog):
+    now = {"t": 0.0}
+    state = {"fail_load": True, "fail_probe": False}
+
+    def load(uri):
+        if uri != "models:/m@a" and state["fail_load"]:
+            raise OSError("artifact store down")
+        return FakeEngine("m/1" if uri == "models:/m@a" else "m/2")
+
+    def probe():
+        if state["fail_probe"]:
+            raise ConnectionError("registry down")
+        return "m/2"
+
+    lc = ModelLifecycle(load, "models:/m@a", probe=probe, refresh_s=10, clock=lambda: now["t"])
+    lc.load_initial()
+    with caplog.at_level(logging.WARNING, logger="ray.serve.clarifier"):
+        assert lc.poll_once() is False and lc.version == "m/1"
+        assert "loading m/2 failed" in caplog.text
+        state["fail_load"] = False
+        assert lc.poll_once() is False  # still inside the backoff window (20 s)
+        now["t"] = 25.0
+        state["fail_probe"] = True
+        assert lc.poll_once() is False and "registry down" in caplog.text
+        state["fail_probe"] = False
+        assert lc.poll_once() is True and lc.version == "m/2"
+
+
+def test_watcher_thread_switches_and_stops():
+    target = {"v": "m/1"}
+    switched = threading.Event()
+    lc = ModelLifecycle(lambda uri: FakeEngine("m/1" if "@" in uri else uri[len("models:/"):]), "models:/m@a",
+                        probe=lambda: target["v"], refresh_s=0.05, on_switch=lambda *a: switched.set())
+    lc.load_initial()
+    lc.start()
+    try:
+        target["v"] = "m/7"
+        assert switched.wait(10), "the watcher did not switch"
+        assert lc.version == "m/7"
+    finally:
+        lc.stop()
+    assert lc._thread is None
+    # no probe (a folder or a pinned version): nothing to watch
+    fixed = ModelLifecycle(lambda uri: FakeEngine("x"), "/folder", refresh_s=1)
+    fixed.load_initial()
+    fixed.start()
+    assert not fixed.watching and fixed._thread is None and fixed.poll_once() is False
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+def test_ingress_metrics_classify_answers():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from clarifier.schema import ClarifyResponse
+    from clarifier.serving.metrics import IngressMetrics
+
+    m = IngressMetrics(ray=False)
+    m.observe_answer(ClarifyResponse(needs_clarification=False, confidence=0.1, model_version="v"))  # fast
+    m.observe_answer(ClarifyResponse(needs_clarification=True, confidence=0.9, question="Which?", model_version="v"))
+    m.observe_answer(ClarifyResponse(needs_clarification=False, confidence=0.8, model_version="v", valid_output=False))
+    m.observe_request("clarify", 200, 0.02)
+    text, ctype = m.render()
+    assert ctype.startswith("text/plain")
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in text_string_to_metric_families(text.decode()) for s in fam.samples}
+    assert got[("clarifier_decisions_total", (("decision", "answer"),))] == 2
+    assert got[("clarifier_decisions_total", (("decision", "clarify"),))] == 1
+    assert got[("clarifier_path_total", (("path", "fast"),))] == 1
+    assert got[("clarifier_path_total", (("path", "generate"),))] == 2
+    assert got[("clarifier_invalid_outputs_total", ())] == 1
+    assert got[("clarifier_requests_total", (("route", "clarify"), ("status", "200")))] == 1
+    assert got[("clarifier_request_latency_seconds_count", (("route", "clarify"),))] == 1
