@@ -67,3 +67,98 @@ def test_joint_loss_weights_and_parts():
     b["loss_weights"][0, 2] = 0.0
     loss2, _ = joint_loss(logits, b["labels"], b["loss_weights"], b["segment_ids"])
     assert torch.allclose(loss2, (2 * tok[(0, 1)] + tok[(0, 3)] + 2 * tok[(1, 1)]) / 5, atol=1e-5)
+
+
+def _decision_batch():
+    """Two rows: a clarify example and an answer example, one decision token + one question token each."""
+    d, q = SEGMENT_IDS["decision"], SEGMENT_IDS["question"]
+    rows = [{"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7], "loss_weights": [0, 2.0, 1.0], "segment_ids": [0, d, q]},
+            {"input_ids": [5, 8, 9], "labels": [IGNORE, 8, 9], "loss_weights": [0, 2.0, 1.0], "segment_ids": [0, d, q]}]
+    b = collate(rows, pad_id=0)
+    torch.manual_seed(1)
+    logits = torch.randn(2, 3, 12)
+    ce = torch.nn.functional.cross_entropy
+    tok = {"c_dec": ce(logits[0, 0:1], torch.tensor([6])), "c_q": ce(logits[0, 1:2], torch.tensor([7])),
+           "a_dec": ce(logits[1, 0:1], torch.tensor([8])), "a_q": ce(logits[1, 1:2], torch.tensor([9]))}
+    return b, logits, tok, torch.tensor([True, False])
+
+
+def test_weighted_decision_loss_scales_only_clarify_decision_tokens():
+    from clarifier.train.objective import DecisionLoss
+
+    b, logits, tok, clarify = _decision_batch()
+    loss, _ = joint_loss(logits, b["labels"], b["loss_weights"], b["segment_ids"], clarify=clarify,
+                         decision=DecisionLoss(kind="weighted", clarify_weight=3.0))
+    expected = (2 * 3.0 * tok["c_dec"] + tok["c_q"] + 2 * tok["a_dec"] + tok["a_q"]) / (6 + 1 + 2 + 1)
+    assert torch.allclose(loss, expected, atol=1e-5)
+    ce_loss, _ = joint_loss(logits, b["labels"], b["loss_weights"], b["segment_ids"])
+    assert not torch.allclose(loss, ce_loss)
+    # clarify_weight 1 is plain CE.
+    same, _ = joint_loss(logits, b["labels"], b["loss_weights"], b["segment_ids"], clarify=clarify,
+                         decision=DecisionLoss(kind="weighted", clarify_weight=1.0))
+    assert torch.allclose(same, ce_loss, atol=1e-6)
+    # Per-token labels (packed rows) give the same loss as per-row labels broadcast over the row.
+    per_token = clarify[:, None].expand_as(b["labels"])
+    packed, _ = joint_loss(logits, b["labels"], b["loss_weights"], b["segment_ids"], clarify=per_token,
+                           decision=DecisionLoss(kind="weighted", clarify_weight=3.0))
+    assert torch.allclose(packed, loss, atol=1e-6)
+
+
+def test_focal_decision_loss_down_weights_easy_decision_tokens():
+    from clarifier.train.objective import DecisionLoss
+
+    b, logits, tok, clarify = _decision_batch()
+    gamma = 2.0
+    loss, _ = joint_loss(logits, b["labels"], b["loss_weights"], b["segment_ids"], clarify=clarify,
+                         decision=DecisionLoss(kind="focal", clarify_weight=3.0, gamma=gamma))
+    focal = lambda x: x * (1 - torch.exp(-x)) ** gamma  # noqa: E731
+    expected = (2 * 3.0 * focal(tok["c_dec"]) + tok["c_q"] + 2 * focal(tok["a_dec"]) + tok["a_q"]) / 10
+    assert torch.allclose(loss, expected, atol=1e-5)
+    # gamma 0 reduces to the weighted loss.
+    g0, _ = joint_loss(logits, b["labels"], b["loss_weights"], b["segment_ids"], clarify=clarify,
+                       decision=DecisionLoss(kind="focal", clarify_weight=3.0, gamma=0.0))
+    w, _ = joint_loss(logits, b["labels"], b["loss_weights"], b["segment_ids"], clarify=clarify,
+                      decision=DecisionLoss(kind="weighted", clarify_weight=3.0))
+    assert torch.allclose(g0, w, atol=1e-6)
+    # A confidently right decision token contributes (almost) nothing under focal loss.
+    easy = logits.clone()
+    easy[0, 0, 6] = 50.0
+    l_easy, _ = joint_loss(easy, b["labels"], b["loss_weights"], b["segment_ids"], clarify=clarify,
+                           decision=DecisionLoss(kind="focal", clarify_weight=3.0, gamma=gamma))
+    assert torch.allclose(l_easy, (tok["c_q"] + 2 * focal(tok["a_dec"]) + tok["a_q"]) / 10, atol=1e-5)
+
+
+def test_class_weighted_decision_loss_needs_labels_and_valid_settings():
+    import pytest
+
+    from clarifier.train.objective import DecisionLoss
+
+    b, logits, _, _ = _decision_batch()
+    with pytest.raises(ValueError, match="clarify labels"):
+        joint_loss(logits, b["labels"], b["loss_weights"], b["segment_ids"], decision=DecisionLoss(kind="focal", gamma=2))
+    with pytest.raises(ValueError, match="kind"):
+        DecisionLoss(kind="hinge")
+    with pytest.raises(ValueError, match="clarify_weight"):
+        DecisionLoss(kind="weighted", clarify_weight=0)
+
+
+def test_auto_clarify_weight_comes_from_the_train_split_counts():
+    import pytest
+
+    from clarifier.config import ConfigError, build_config
+    from clarifier.train.loop import resolve_decision_loss
+
+    cfg = build_config({}, ["train.decision_loss.kind=weighted"])
+    d = resolve_decision_loss(cfg, {"examples": 100, "clarify": 20})
+    assert d.kind == "weighted" and d.clarify_weight == pytest.approx(4.0) and d.gamma == 0.0
+    cfg = build_config({}, ["train.decision_loss.kind=focal", "train.decision_loss.clarify_weight=2.5",
+                            "train.decision_loss.gamma=1.5"])
+    d = resolve_decision_loss(cfg, {"examples": 100, "clarify": 20})
+    assert (d.kind, d.clarify_weight, d.gamma) == ("focal", 2.5, 1.5)
+    assert resolve_decision_loss(build_config({}, []), None).kind == "ce"
+    with pytest.raises(ValueError, match="clarify_weight=auto"):
+        resolve_decision_loss(build_config({}, ["train.decision_loss.kind=weighted"]), {"examples": 10, "clarify": 0})
+    with pytest.raises(ConfigError, match="train.decision_loss.clarify_weight"):
+        build_config({}, ["train.decision_loss.clarify_weight=0"])
+    with pytest.raises(ConfigError, match="train.decision_loss.kind"):
+        build_config({}, ["train.decision_loss.kind=hinge"])

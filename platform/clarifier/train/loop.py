@@ -1,14 +1,31 @@
 """The per-worker training loop (runs inside Ray Train workers): PEFT LoRA + DeepSpeed ZeRO.
 
-Every worker runs exactly ``max_steps`` optimizer steps (re-reading its data shard as often as
-needed), so collective calls stay in lock-step; a time budget (``max_minutes``) is agreed on by an
-all-reduce so all ranks stop at the same step. Rank 0 logs to MLflow and writes the checkpoint:
-the LoRA adapter (safetensors), tokenizer and ``clarifier.json`` -- a loadable model folder.
+Data order. Every worker reads the train split (token columns only, sorted by example id) and
+walks one global order that is a pure function of ``(train.seed, epoch)``: global micro-batch
+``j`` of an epoch is rows ``perm[j*W*B:(j+1)*W*B]`` of that epoch's permutation, rank ``r`` takes
+the ``r``-th ``B`` of them (``W`` workers, ``B`` = micro batch; the remainder of an epoch is
+dropped so every rank runs the same number of micro-batches). The data position is therefore one
+integer -- micro-batches consumed -- and skipping them reproduces the uninterrupted order exactly.
+
+Every worker runs exactly ``max_steps`` optimizer steps, so collectives stay in lock-step; a time
+budget (``max_minutes``) is agreed on by an all-reduce so all ranks stop at the same step.
+
+Checkpoints (every ``checkpoint_every`` steps and at the end), one directory merged by Ray Train
+from every rank's files:
+
+    adapter_model.safetensors, adapter_config.json, tokenizer files, clarifier.json   (rank 0: a model folder)
+    train_state.json          step, micro-batches consumed, samples, MLflow run id, world size   (rank 0)
+    deepspeed/<tag>/...       engine.save_checkpoint from every rank (ZeRO optimizer/scheduler shards)
+    rank_state/rank<r>.pt     python/numpy/torch RNG state + an optimizer-state checksum (every rank)
+
+On (re)start the loop restores all of it from ``ray.train.get_checkpoint()`` and continues with
+the same step count, LR schedule, data order and RNG streams; the restored optimizer state is
+verified against the checksum saved with it. Rank 0 logs to MLflow, skipping steps the run
+already has (a crash after logging a step cannot duplicate it).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import random
@@ -17,9 +34,17 @@ import tempfile
 import time
 
 from ..config import ClarifierConfig
-from .objective import collate, joint_loss
+from ..data.packing import collate_packed
+from .objective import SEGMENT_IDS, DecisionLoss, collate, joint_loss
 
 COLUMNS = ["input_ids", "labels", "loss_weights", "segment_ids"]
+TRAIN_COLUMNS = ["id", "needs_clarification", *COLUMNS]
+PACKED_COLUMNS = [*COLUMNS, "position_ids", "clarify"]
+STATE_FILE = "train_state.json"
+DS_DIR = "deepspeed"
+RANK_DIR = "rank_state"
+# Pipeline variant: which target segments each part is trained on (the others get weight 0).
+PIPELINE_PARTS = {"when": ("format", "decision"), "how": ("grounding",), "what": ("question",)}
 
 
 def _say(msg: str) -> None:
@@ -28,8 +53,16 @@ def _say(msg: str) -> None:
     print(msg, file=sys.__stdout__, flush=True)
 
 
+# ---- pure helpers (unit-tested) ------------------------------------------------------------
+
+
 def deepspeed_config(cfg: ClarifierConfig, total_steps: int) -> dict:
     t = cfg.train
+    zero: dict = {"stage": t.zero_stage}
+    if t.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": bool(t.use_gpu)}
+    if t.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": bool(t.use_gpu)}
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
@@ -40,7 +73,7 @@ def deepspeed_config(cfg: ClarifierConfig, total_steps: int) -> dict:
             "warmup_min_lr": 0.0, "warmup_max_lr": t.learning_rate,
             "warmup_num_steps": min(t.warmup_steps, max(total_steps - 1, 0)), "total_num_steps": max(total_steps, 1),
             "warmup_type": "linear"}},
-        "zero_optimization": {"stage": t.zero_stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": bool(t.use_gpu)},
         "fp16": {"enabled": False},
         "steps_per_print": 10**9,
@@ -48,9 +81,153 @@ def deepspeed_config(cfg: ClarifierConfig, total_steps: int) -> dict:
     }
 
 
-def _rows(batch: dict) -> list[dict]:
-    n = len(batch["input_ids"])
-    return [{k: list(batch[k][i]) for k in COLUMNS} for i in range(n)]
+def epoch_permutation(n: int, seed: int, epoch: int):
+    """The global row order of ``epoch``: a deterministic function of (seed, epoch) only."""
+    import numpy as np
+
+    return np.random.default_rng([int(seed), int(epoch)]).permutation(n)
+
+
+def micro_batches_per_epoch(n: int, world: int, micro_batch: int) -> int:
+    return n // (world * micro_batch)
+
+
+def batch_indices(n: int, seed: int, world: int, rank: int, micro_batch: int, micro_index: int) -> list[int]:
+    """Row indices of rank ``rank``'s ``micro_index``-th micro-batch (counted from the very start)."""
+    per_epoch = micro_batches_per_epoch(n, world, micro_batch)
+    if per_epoch < 1:
+        raise ValueError(f"the train split has {n} examples, fewer than one global micro-batch "
+                         f"(train.num_workers x train.micro_batch_size = {world * micro_batch})")
+    epoch, j = divmod(micro_index, per_epoch)
+    perm = epoch_permutation(n, seed, epoch)
+    start = (j * world + rank) * micro_batch
+    return [int(i) for i in perm[start:start + micro_batch]]
+
+
+def segment_scale(part: str | None) -> dict[int, float] | None:
+    """Per-segment-id multipliers for a pipeline part (None = joint: keep every segment)."""
+    if part is None:
+        return None
+    keep = PIPELINE_PARTS[part]
+    return {sid: (1.0 if name in keep else 0.0) for name, sid in SEGMENT_IDS.items()}
+
+
+def resolve_decision_loss(cfg: ClarifierConfig, class_counts: dict | None) -> DecisionLoss:
+    """The decision-loss settings with ``clarify_weight: auto`` resolved from the train split's counts."""
+    d = cfg.train.decision_loss
+    if d.kind == "ce":
+        return DecisionLoss()
+    w = d.clarify_weight
+    if w == "auto":
+        n, k = (class_counts or {}).get("examples", 0), (class_counts or {}).get("clarify", 0)
+        if not n or not k or k >= n:
+            raise ValueError(
+                f"train.decision_loss.clarify_weight=auto needs both classes in the train split "
+                f"(manifest counts: {k} clarify of {n}); set a number instead")
+        w = (n - k) / k
+    return DecisionLoss(kind=d.kind, clarify_weight=float(w), gamma=float(d.gamma) if d.kind == "focal" else 0.0)
+
+
+# ---- batches -------------------------------------------------------------------------------
+
+
+def make_batch(table, indices: list[int], pad_id: int, device, scale: dict[int, float] | None = None) -> dict:
+    """The one place that turns rows of the train table into model-ready tensors.
+
+    Padded rows give ``attention_mask``; packed blocks (``position_ids`` column, see
+    :mod:`clarifier.data.packing`) give restarting ``position_ids`` and no mask. ``n_tokens`` is
+    the number of real (non-padding) tokens, for throughput.
+    """
+    import torch
+
+    sub = table.take(indices).to_pydict()
+    if "position_ids" in sub:
+        rows = [{k: sub[k][i] for k in PACKED_COLUMNS} for i in range(len(indices))]
+        b = collate_packed(rows)
+        b["n_tokens"] = torch.tensor(sum(sub["num_tokens"]))
+    else:
+        rows = [{k: sub[k][i] for k in COLUMNS} for i in range(len(indices))]
+        b = collate(rows, pad_id)
+        b["n_tokens"] = b["attention_mask"].sum()
+        if "needs_clarification" in sub:
+            b["clarify"] = torch.tensor([bool(x) for x in sub["needs_clarification"]], dtype=torch.bool)
+    if scale is not None:
+        lut = torch.zeros(max(scale) + 1)
+        for sid, s in scale.items():
+            lut[sid] = s
+        b["loss_weights"] = b["loss_weights"] * lut[b["segment_ids"]]
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def load_train_table(data_root: str, part: str | None, packed: bool = False):
+    """The train split's token columns in a canonical order (by example id); pipeline parts that
+    train only clarification segments keep only the examples that have them. ``packed``: the
+    data job's packed blocks instead (ordered by their first example id)."""
+    import pyarrow.compute as pc
+
+    from ..data.pipeline import PACKED_DIR, read_split_table
+
+    if packed:
+        table = read_split_table(data_root, PACKED_DIR, columns=["example_ids", "num_tokens", *PACKED_COLUMNS])
+        first = pc.list_element(table["example_ids"], 0)
+        return table.take(pc.sort_indices(table.append_column("_first", first), sort_keys=[("_first", "ascending")]))
+    table = read_split_table(data_root, "train", columns=TRAIN_COLUMNS)
+    table = table.take(pc.sort_indices(table, sort_keys=[("id", "ascending")]))
+    if part in ("how", "what"):
+        table = table.filter(pc.equal(table["needs_clarification"], True))
+    return table
+
+
+# ---- RNG / optimizer state -----------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    import numpy as np
+    import torch
+
+    npst = np.random.get_state()
+    st = {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+          "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+          "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    import numpy as np
+    import torch
+
+    v, internal, gauss = st["python"]
+    random.setstate((v, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = st["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+def optimizer_checksum(engine) -> float:
+    """Sum of |x| over this rank's optimizer state tensors (its ZeRO partition): restored == saved."""
+    import torch
+
+    opt = engine.optimizer
+    seen = set()
+    while opt is not None and id(opt) not in seen:
+        seen.add(id(opt))
+        state = getattr(opt, "state", None)
+        if isinstance(state, dict) and state and not hasattr(opt, "optimizer"):
+            break
+        opt = getattr(opt, "optimizer", None)
+    total = 0.0
+    for s in (getattr(opt, "state", {}) or {}).values():
+        for v in (s.values() if isinstance(s, dict) else ()):
+            if torch.is_tensor(v) and v.is_floating_point() and v.numel() > 1:
+                total += float(v.detach().double().abs().sum())
+    return total
+
+
+# ---- the loop ------------------------------------------------------------------------------
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -65,9 +242,10 @@ def train_loop_per_worker(config: dict) -> None:
     from .tracking import SafeTracker
 
     cfg = ClarifierConfig.model_validate(config["cfg"])
+    part = config.get("part")  # pipeline variant: when / how / what; None = joint
     t = cfg.train
     ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(t.seed + rank)
     random.seed(t.seed + rank)
     np.random.seed(t.seed + rank)
@@ -76,6 +254,9 @@ def train_loop_per_worker(config: dict) -> None:
     base_path = resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
     tok = load_tokenizer(base_path)
     model = load_causal_lm(base_path)
+    if t.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
     lcfg = cfg.model.lora
     model = get_peft_model(model, LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
                                              target_modules=lcfg.target_modules, task_type="CAUSAL_LM"))
@@ -86,85 +267,151 @@ def train_loop_per_worker(config: dict) -> None:
         config=deepspeed_config(cfg, t.max_steps),
     )
     device = engine.device
-    tracker = SafeTracker(config.get("mlflow_run_id") if rank == 0 else None, config.get("tracking_uri"))
-    if rank == 0:
-        _say(f"[train] {ctx.get_world_size()} workers, ZeRO-{t.zero_stage}, LoRA r={lcfg.r}: "
-              f"{trainable:,} trainable of {total:,} parameters")
+    table = load_train_table(cfg.data.output, part, packed=cfg.data.packing.enabled)
+    n_rows = table.num_rows
+    per_epoch = micro_batches_per_epoch(n_rows, world, t.micro_batch_size)
+    if per_epoch < 1:
+        raise RuntimeError(f"worker {rank}: the train split{f' (part {part})' if part else ''} has {n_rows} "
+                           f"examples, fewer than train.num_workers x train.micro_batch_size = "
+                           f"{world * t.micro_batch_size}")
+    scale = segment_scale(part)
+    dloss = DecisionLoss(**config["decision_loss"]) if config.get("decision_loss") else DecisionLoss()
 
-    shard = ray.train.get_dataset_shard("train")
-    step = 0
-    micro = 0
+    # ---- restore ---------------------------------------------------------------------------
+    step, micro = 0, 0
+    resumed = False
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state = json.loads(open(os.path.join(d, STATE_FILE)).read())
+            if int(state["world_size"]) != world:
+                raise RuntimeError(
+                    f"checkpoint was written by {state['world_size']} workers, this run has {world}: "
+                    "resume with the same train.num_workers (the data order and ZeRO shards depend on it)")
+            load_path, _ = engine.load_checkpoint(os.path.join(d, DS_DIR), tag=state["tag"], load_module_strict=False,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+            if load_path is None:
+                raise RuntimeError(f"DeepSpeed found no checkpoint {state['tag']!r} under {d}/{DS_DIR}")
+            rs = torch.load(os.path.join(d, RANK_DIR, f"rank{rank}.pt"), weights_only=True)
+        got = optimizer_checksum(engine)
+        if abs(got - rs["optimizer_checksum"]) > 1e-6 * max(1.0, abs(rs["optimizer_checksum"])):
+            raise RuntimeError(f"worker {rank}: optimizer state not restored from step {state['step']} "
+                               f"(checksum {got} != saved {rs['optimizer_checksum']})")
+        set_rng_state(rs["rng"])
+        step, micro = int(state["step"]), int(state["micro_batches"])
+        resumed = True
+        if rank == 0:
+            _say(f"[train] resumed from step {step} ({micro} micro-batches consumed); optimizer state verified")
+
+    tracker = SafeTracker(config.get("mlflow_run_id") if rank == 0 else None, config.get("tracking_uri"))
+    logged_upto = tracker.last_step("train/loss") if rank == 0 else 0
+    if rank == 0:
+        _say(f"[train] {world} workers, ZeRO-{t.zero_stage}, LoRA r={lcfg.r}"
+             f"{f', pipeline part {part!r}' if part else ''}: {trainable:,} trainable of {total:,} parameters; "
+             f"{n_rows} rows, {per_epoch} micro-batches per epoch")
+        if resumed:
+            tracker.log_metrics({"train/resumed_at_step": step}, step)
+
+    if step >= t.max_steps:  # the restored checkpoint is already the final one (fit() returns it)
+        if rank == 0:
+            _say(f"[train] checkpoint at step {step} is final; nothing left to train")
+        return
+
     tokens_since = 0
     t_start = time.time()
     t_last = t_start
+    steps_at_start = step
     losses: list[float] = []
-    stop = False
-    for epoch in itertools.count():
-        batches = shard.iter_batches(batch_size=t.micro_batch_size, batch_format="numpy",
-                                     local_shuffle_buffer_size=256, local_shuffle_seed=t.seed + epoch)
-        got_any = False
-        for batch in batches:
-            got_any = True
-            b = collate(_rows(batch), tok.pad_token_id)
-            b = {k: v.to(device) for k, v in b.items()}
+    while True:
+        idx = batch_indices(n_rows, t.seed, world, rank, t.micro_batch_size, micro)
+        b = make_batch(table, idx, tok.pad_token_id, device, scale)
+        if "position_ids" in b:  # packed: no mask, no KV cache -> block-diagonal attention
+            out = engine(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False)
+        else:
             out = engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-            loss, parts = joint_loss(out.logits, b["labels"], b["loss_weights"], b["segment_ids"])
-            engine.backward(loss)
-            engine.step()
-            micro += 1
-            tokens_since += int(b["attention_mask"].sum())
-            losses.append(float(loss))
-            if micro % t.gradient_accumulation_steps:
-                continue
-            step += 1
-            # Agree on stopping (time budget) so every rank leaves at the same step.
-            over = t.max_minutes is not None and (time.time() - t_start) > t.max_minutes * 60
-            flag = torch.tensor([1.0 if (over or step >= t.max_steps) else 0.0])
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stop = bool(flag.item() > 0)
-            now = time.time()
-            if rank == 0:
-                lr = scheduler.get_last_lr()[0] if scheduler is not None else t.learning_rate
-                m = {"train/loss": float(np.mean(losses)), "train/lr": lr,
-                     "train/tokens_per_s": tokens_since * ctx.get_world_size() / max(now - t_last, 1e-6)}
-                m.update({f"train/loss_{k}": v for k, v in parts.items()})
+        loss, parts = joint_loss(out.logits, b["labels"], b["loss_weights"], b["segment_ids"],
+                                 clarify=b.get("clarify"), decision=dloss)
+        engine.backward(loss)
+        engine.step()
+        micro += 1
+        tokens_since += int(b["n_tokens"])
+        losses.append(float(loss.detach()))
+        if micro % t.gradient_accumulation_steps:
+            continue
+        step += 1
+        # Agree on stopping (time budget) so every rank leaves at the same step.
+        over = t.max_minutes is not None and (time.time() - t_start) > t.max_minutes * 60
+        flag = torch.tensor([1.0 if (over or step >= t.max_steps) else 0.0])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        stop = bool(flag.item() > 0)
+        now = time.time()
+        if rank == 0:
+            lr = scheduler.get_last_lr()[0] if scheduler is not None else t.learning_rate
+            m = {"train/loss": float(np.mean(losses)), "train/lr": lr,
+                 "train/tokens_per_s": tokens_since * world / max(now - t_last, 1e-6),
+                 "train/epoch": micro / per_epoch}
+            m.update({f"train/loss_{k}": v for k, v in parts.items()})
+            if step > logged_upto:
                 tracker.log_metrics(m, step)
-                eta = (now - t_start) / step * (t.max_steps - step)
-                _say(f"[train] step {step}/{t.max_steps} loss {m['train/loss']:.4f} "
-                      f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}) lr {lr:.2e} "
-                      f"{m['train/tokens_per_s']:.0f} tok/s eta {eta:.0f}s")
-            losses.clear()
-            tokens_since = 0
-            t_last = now
-            last = stop
-            if last or (t.checkpoint_every and step % t.checkpoint_every == 0):
-                _report(engine, tok, cfg, step, rank, tracker, final=last)
-            if stop:
-                break
+            eta = (now - t_start) / max(step - steps_at_start, 1) * (t.max_steps - step)
+            _say(f"[train] step {step}/{t.max_steps} loss {m['train/loss']:.4f} "
+                 f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}) lr {lr:.2e} "
+                 f"{m['train/tokens_per_s']:.0f} tok/s eta {eta:.0f}s")
+        losses.clear()
+        tokens_since = 0
+        t_last = now
+        if stop or (t.checkpoint_every and step % t.checkpoint_every == 0):
+            _report(engine, tok, cfg, step, micro, rank, world, tracker, final=stop, config=config)
+        if t.fail_at_step and step == t.fail_at_step and not resumed and rank == world - 1:
+            _say(f"[train] fault injection: worker {rank} exits at step {step} (train.fail_at_step)")
+            os._exit(1)
         if stop:
             break
-        if not got_any:
-            raise RuntimeError(f"worker {rank} received no training rows: the train split is empty or too small "
-                               f"for {ctx.get_world_size()} workers")
     if rank == 0 and tracker.failed_calls:
         _say(f"[train] warning: {tracker.failed_calls} MLflow calls failed; {tracker.lost_metrics} metric values lost")
 
 
-def _report(engine, tok, cfg: ClarifierConfig, step: int, rank: int, tracker, final: bool) -> None:
+def _save_adapter(engine, d: str, rank: int, zero_stage: int) -> None:
+    """Rank 0 writes the LoRA adapter (safetensors); under ZeRO-3 every rank first gathers it."""
+    if zero_stage == 3:
+        import deepspeed
+
+        params = [p for p in engine.module.parameters() if p.requires_grad]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            if rank == 0:
+                engine.module.save_pretrained(d, safe_serialization=True)
+    elif rank == 0:
+        engine.module.save_pretrained(d, safe_serialization=True)
+
+
+def _report(engine, tok, cfg: ClarifierConfig, step: int, micro: int, rank: int, world: int, tracker,
+            final: bool, config: dict) -> None:
     import ray.train
+    import torch
 
     from ..inference import ModelMeta, write_meta
 
+    tag = f"step{step:08d}"
     metrics = {"step": step, "final": final, "mlflow_lost_metrics": tracker.lost_metrics}
-    if rank != 0:
-        ray.train.report(metrics, checkpoint=None)
-        return
     with tempfile.TemporaryDirectory() as d:
-        engine.module.save_pretrained(d, safe_serialization=True)
-        tok.save_pretrained(d)
-        write_meta(d, ModelMeta(base_model=cfg.model.base_model, threshold=cfg.eval.threshold,
-                                prompt={"max_prompt_tokens": cfg.model.max_prompt_tokens}))
-        with open(os.path.join(d, "train_state.json"), "w") as f:
-            json.dump({"step": step, "final": final}, f)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+        # Collective (every rank): ZeRO shards of optimizer / scheduler / trainable weights.
+        engine.save_checkpoint(os.path.join(d, DS_DIR), tag=tag, exclude_frozen_parameters=True)
+        _save_adapter(engine, d, rank, cfg.train.zero_stage)
+        os.makedirs(os.path.join(d, RANK_DIR), exist_ok=True)
+        torch.save({"rng": rng_state(), "optimizer_checksum": optimizer_checksum(engine)},
+                   os.path.join(d, RANK_DIR, f"rank{rank}.pt"))
+        if rank == 0:
+            tok.save_pretrained(d)
+            write_meta(d, ModelMeta(base_model=cfg.model.base_model, threshold=cfg.eval.threshold,
+                                    prompt={"max_prompt_tokens": cfg.model.max_prompt_tokens}))
+            state = {"step": step, "micro_batches": micro, "samples": micro * world * cfg.train.micro_batch_size,
+                     "final": final, "tag": tag, "world_size": world, "zero_stage": cfg.train.zero_stage,
+                     "seed": cfg.train.seed, "part": config.get("part"), "mlflow_run_id": config.get("mlflow_run_id")}
+            with open(os.path.join(d, STATE_FILE), "w") as f:
+                json.dump(state, f)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),
+                         checkpoint_dir_name=f"checkpoint_{tag}")
+    # Wait until the controller has registered this checkpoint: a worker dying right after
+    # report() could otherwise lose it (the restart would then start over from step 0).
+    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)

@@ -81,14 +81,38 @@ def collate(rows: list[dict], pad_id: int) -> dict:
     }
 
 
-def joint_loss(logits, labels, loss_weights, segment_ids):
+@dataclass(frozen=True)
+class DecisionLoss:
+    """How the decision tokens are weighed (the other segments always use plain cross-entropy).
+
+    ``ce``: unchanged. ``weighted``: decision tokens of clarify examples get ``clarify_weight``
+    times their segment weight (answer examples keep 1x) -- class-weighted CE, normalised by the
+    sum of the weights like ``torch.nn.functional.cross_entropy(weight=...)``. ``focal``: the same
+    class weights and each decision token's loss times ``(1 - p_t) ** gamma`` (Lin et al. 2017).
+    """
+
+    kind: str = "ce"  # ce | weighted | focal
+    clarify_weight: float = 1.0
+    gamma: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ("ce", "weighted", "focal"):
+            raise ValueError(f"decision loss kind must be ce, weighted or focal (got {self.kind!r})")
+        if not self.clarify_weight > 0 or self.gamma < 0:
+            raise ValueError(f"decision loss needs clarify_weight > 0 and gamma >= 0 (got {self})")
+
+
+def joint_loss(logits, labels, loss_weights, segment_ids, clarify=None, decision: DecisionLoss | None = None):
     """Weighted token cross-entropy (next-token shift inside). Returns ``(loss, parts)``.
 
+    ``clarify`` (bool per row, or per token for packed rows) is needed by the ``weighted`` /
+    ``focal`` decision losses.
     ``parts`` maps each segment to its unweighted mean token loss in this batch (for logging).
     """
     import torch
     import torch.nn.functional as F
 
+    decision = decision or DecisionLoss()
     logits = logits[:, :-1, :].float()
     labels = labels[:, 1:]
     weights = loss_weights[:, 1:]
@@ -97,7 +121,20 @@ def joint_loss(logits, labels, loss_weights, segment_ids):
     tok = tok.view(labels.shape)
     mask = (labels != IGNORE).float()
     wm = weights * mask
-    loss = (tok * wm).sum() / wm.sum().clamp_min(1e-8)
+    scaled = tok
+    if decision.kind != "ce":
+        if clarify is None:
+            raise ValueError(f"decision loss {decision.kind!r} needs the per-row clarify labels")
+        dec = segs == SEGMENT_IDS["decision"]
+        if clarify.dim() == 2:  # per token (packed rows hold examples of both classes)
+            tok_w = torch.where(clarify[:, 1:].bool(), float(decision.clarify_weight), 1.0).to(wm.dtype)
+        else:
+            tok_w = torch.where(clarify.bool(), float(decision.clarify_weight), 1.0).to(wm.dtype)[:, None]
+        wm = torch.where(dec, wm * tok_w, wm)
+        if decision.kind == "focal" and decision.gamma > 0:
+            p_t = torch.exp(-tok)
+            scaled = torch.where(dec, tok * (1.0 - p_t).clamp_min(0.0) ** decision.gamma, tok)
+    loss = (scaled * wm).sum() / wm.sum().clamp_min(1e-8)
     parts = {}
     with torch.no_grad():
         for name, sid in SEGMENT_IDS.items():

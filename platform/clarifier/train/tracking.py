@@ -46,6 +46,20 @@ class SafeTracker:
         ms = [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None]
         return self._call("log_metrics", lambda: self._client.log_batch(self.run_id, metrics=ms), len(ms))
 
+    def last_step(self, key: str) -> int:
+        """The highest step already logged for ``key`` in this run (0 when none or unreachable).
+
+        A resumed worker recomputes the steps after its checkpoint; it skips logging those the run
+        already has, so a crash after logging a step never duplicates it."""
+        out: list[int] = []
+
+        def fetch():
+            out[:] = [m.step for m in self._client.get_metric_history(self.run_id, key)]
+
+        if not self._call("get_metric_history", fetch, 0):
+            return 0
+        return max(out, default=0)
+
     def set_tags(self, tags: dict[str, str]) -> bool:
         from mlflow.entities import RunTag
 

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import storage
 from ..config import ClarifierConfig, flatten
-from .loop import train_loop_per_worker
+from ..inference import META_FILE
+from .loop import DS_DIR, PIPELINE_PARTS, RANK_DIR, STATE_FILE, resolve_decision_loss, train_loop_per_worker
+from .objective import DecisionLoss
+
+RUN_NAME_TAG = "clarifier.run_name"
+PIPELINE_FILE = "pipeline.json"
 
 
 @dataclass
@@ -27,10 +34,15 @@ def _tracking_uri(cfg: ClarifierConfig) -> str | None:
 
 
 def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
+    """Train (``train.variant=joint``: one adapter; ``pipeline``: when/how/what adapters) and log to MLflow.
+
+    Resume: the Ray Train run is named after ``train.run_name`` (else after the new MLflow run), in
+    ``<storage.root>/ray_results``. A worker failure restarts the worker group from the last
+    checkpoint (``train.max_failures``); rerunning the same command with the same ``train.run_name``
+    continues that run from its last checkpoint, in the same MLflow run.
+    """
     import mlflow
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     from ..data.pipeline import read_manifest
     from ..models import resolve_base_model
@@ -40,9 +52,28 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
         raise FileNotFoundError(
             f"data.output={data_root!r} has no manifest.json: run `clarifier data prepare` first (or point data.output at its output)")
     manifest = read_manifest(data_root)
-    n_train = manifest["counts"]["splits"]["train"]["examples"]
-    if n_train < cfg.train.num_workers:
-        raise ValueError(f"the train split has {n_train} examples, fewer than train.num_workers={cfg.train.num_workers}")
+    train_counts = manifest["counts"]["splits"]["train"]
+    n_train = train_counts["examples"]
+    t = cfg.train
+    what = "examples"
+    if cfg.data.packing.enabled:
+        packing = manifest.get("packing") or {}
+        if not packing.get("blocks"):
+            raise ValueError(f"data.packing.enabled=true but the data job at {data_root} wrote no packed blocks: "
+                             "rerun `clarifier data prepare` with data.packing.enabled=true")
+        if t.variant == "pipeline":
+            raise ValueError("train.variant=pipeline trains on padded examples: set data.packing.enabled=false")
+        n_train, what = int(packing["blocks"]), "packed blocks"
+    if n_train < t.num_workers * t.micro_batch_size:
+        raise ValueError(f"the train split has {n_train} {what}, fewer than train.num_workers x "
+                         f"train.micro_batch_size = {t.num_workers * t.micro_batch_size}")
+    decision = resolve_decision_loss(cfg, train_counts)  # fails early on clarify_weight=auto without both classes
+
+    need = t.num_workers * t.cpus_per_worker
+    have = ray.cluster_resources().get("CPU", 0)
+    if need > have:
+        raise ValueError(f"train.num_workers x train.cpus_per_worker = {need:g} CPUs, but the Ray cluster has "
+                         f"{have:g}; training would wait forever. Lower train.cpus_per_worker or add CPUs.")
 
     # Convert/download the base model once on the driver's node so workers find it cached.
     resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
@@ -50,52 +81,32 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
     tracking_uri = _tracking_uri(cfg)
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_experiment(cfg.train.experiment)
-    t = cfg.train
-    with mlflow.start_run(run_name=t.run_name) as run:
-        mlflow.log_params({k: ("" if v is None else str(v))[:500] for k, v in flatten(cfg).items()})
-        mlflow.log_dict(manifest, "data/manifest.json")
-        mlflow.set_tags({"clarifier.stage": "train", "clarifier.base_model": cfg.model.base_model,
-                         "clarifier.data": data_root})
-        run_id = run.info.run_id
-
-    need = t.num_workers * t.cpus_per_worker
-    have = ray.cluster_resources().get("CPU", 0)
-    if have - need < 1:
-        raise ValueError(
-            f"train.num_workers x train.cpus_per_worker = {need:g} CPUs leaves {have - need:g} of the cluster's "
-            f"{have:g} CPUs for the Ray Data tasks that feed the workers; training would wait forever. "
-            "Lower train.cpus_per_worker or add CPUs (a local Ray started by clarifier has cores + 2).")
-    train_ds = ray.data.read_parquet(storage.join(data_root, "train"), **_fs_kwargs(data_root),
-                                     columns=["input_ids", "labels", "loss_weights", "segment_ids"])
+    mlflow.set_experiment(t.experiment)
+    run_id, resumed = _mlflow_run(cfg, manifest, data_root, decision)
+    ray_name = f"train-{_slug(t.run_name)}" if t.run_name else f"train-{run_id}"
     storage_path = storage.join(cfg.storage.root, "ray_results")
     if not storage.is_s3(storage_path):
         storage_path = str(Path(storage_path).expanduser().resolve())
-    scaling = ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
-                            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})})
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow_run_id": run_id, "tracking_uri": tracking_uri},
-        scaling_config=scaling,
-        torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
-        datasets={"train": train_ds},
-        run_config=RunConfig(name=f"train-{run_id}", storage_path=storage_path,
-                             failure_config=FailureConfig(max_failures=0)),
-    )
-    progress(f"[train] TorchTrainer: {t.num_workers} workers, ZeRO-{t.zero_stage}, {t.max_steps} steps, "
-             f"{n_train} training examples; MLflow run {run_id}")
+    progress(f"[train] {'resuming' if resumed else 'starting'} MLflow run {run_id}; Ray Train run {ray_name} "
+             f"in {storage_path}")
+
     t0 = time.time()
-    result = trainer.fit()
-    seconds = time.time() - t0
-    if result.error:
-        raise result.error
-    ckpt = result.checkpoint
-    if ckpt is None:
-        raise RuntimeError("training finished without a checkpoint")
     out = Path(tempfile.mkdtemp(prefix="clarifier-model-"))
-    with ckpt.as_directory() as d:
-        shutil.copytree(d, out, dirs_exist_ok=True)
-    steps = int((result.metrics or {}).get("step", 0))
+    if t.variant == "joint":
+        result = _fit(cfg, None, run_id, tracking_uri, decision, ray_name, storage_path, n_train, progress)
+        steps = _copy_model(result, out)
+    else:
+        steps = 0
+        parts = {}
+        for part in PIPELINE_PARTS:
+            child = _child_run(run_id, part, t.experiment)
+            result = _fit(cfg, part, child, tracking_uri, decision if part == "when" else DecisionLoss(),
+                          f"{ray_name}-{part}", storage_path, n_train, progress)
+            steps += _copy_model(result, out / part)
+            parts[part] = {"folder": part, "segments": list(PIPELINE_PARTS[part]), "mlflow_run_id": child}
+        shutil.copy(out / "when" / META_FILE, out / META_FILE)  # threshold + base model of the composition
+        (out / PIPELINE_FILE).write_text(json.dumps({"variant": "pipeline", "parts": parts}, indent=2))
+    seconds = time.time() - t0
     calib = _calibrate(cfg, out, progress)
     with mlflow.start_run(run_id=run_id):
         mlflow.log_artifacts(str(out), artifact_path="adapter")
@@ -105,6 +116,90 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
             mlflow.set_tags({"calibration.rule": calib["rule"], "calibration.n": calib["n"]})
     progress(f"[train] done: {steps} steps in {seconds:.0f}s; adapter logged to run {run_id}")
     return TrainResult(run_id=run_id, model_dir=str(out), steps=steps, seconds=seconds)
+
+
+def _slug(name: str) -> str:
+    s = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")
+    if not s:
+        raise ValueError(f"train.run_name={name!r} has no usable characters for a run folder name")
+    return s[:100]
+
+
+def _mlflow_run(cfg: ClarifierConfig, manifest: dict, data_root: str, decision) -> tuple[str, bool]:
+    """The MLflow run of this training: the existing one with the same ``train.run_name`` (resume),
+    else a new one with the params, the data manifest and the tags."""
+    import mlflow
+
+    t = cfg.train
+    if t.run_name:
+        found = mlflow.search_runs(experiment_names=[t.experiment], output_format="list",
+                                   filter_string=f"tags.`{RUN_NAME_TAG}` = '{t.run_name}'")
+        if found:
+            run = sorted(found, key=lambda r: r.info.start_time)[-1]
+            if run.info.status == "FINISHED" and "train/steps" in run.data.metrics:
+                raise ValueError(f"train.run_name={t.run_name!r} names a finished training (MLflow run "
+                                 f"{run.info.run_id}); choose a new train.run_name to train again")
+            return run.info.run_id, True
+    with mlflow.start_run(run_name=t.run_name) as run:
+        mlflow.log_params({k: ("" if v is None else str(v))[:500] for k, v in flatten(cfg).items()})
+        mlflow.log_dict(manifest, "data/manifest.json")
+        mlflow.set_tags({"clarifier.stage": "train", "clarifier.base_model": cfg.model.base_model,
+                         "clarifier.data": data_root, "clarifier.variant": t.variant,
+                         "clarifier.decision_loss": f"{decision.kind} clarify_weight={decision.clarify_weight:.4g} "
+                                                    f"gamma={decision.gamma:g}",
+                         **({RUN_NAME_TAG: t.run_name} if t.run_name else {})})
+        return run.info.run_id, False
+
+
+def _child_run(parent_id: str, part: str, experiment: str) -> str:
+    """The nested MLflow run of one pipeline part (reused when the parent is resumed)."""
+    import mlflow
+
+    found = mlflow.search_runs(experiment_names=[experiment], output_format="list",
+                               filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' and tags.`clarifier.part` = '{part}'")
+    if found:
+        return found[0].info.run_id
+    with mlflow.start_run(run_id=parent_id):
+        with mlflow.start_run(run_name=part, nested=True) as child:
+            mlflow.set_tags({"clarifier.part": part, "clarifier.segments": ",".join(PIPELINE_PARTS[part])})
+            return child.info.run_id
+
+
+def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str | None, decision, ray_name: str,
+         storage_path: str, n_train: int, progress):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    t = cfg.train
+    scaling = ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
+                            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})})
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow_run_id": run_id, "tracking_uri": tracking_uri,
+                           "part": part, "decision_loss": asdict(decision)},
+        scaling_config=scaling,
+        torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
+        run_config=RunConfig(name=ray_name, storage_path=storage_path,
+                             failure_config=FailureConfig(max_failures=t.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=t.keep_checkpoints)),
+    )
+    progress(f"[train] TorchTrainer: {t.num_workers} workers, ZeRO-{t.zero_stage}, {t.max_steps} steps"
+             f"{f', pipeline part {part!r}' if part else ''}, {n_train} training examples; MLflow run {run_id}")
+    result = trainer.fit()
+    if result.error:
+        raise result.error
+    if result.checkpoint is None:
+        raise RuntimeError("training finished without a checkpoint")
+    return result
+
+
+def _copy_model(result, out: Path) -> int:
+    """Copy the model files of the final checkpoint (not the DeepSpeed / RNG state) to ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    with result.checkpoint.as_directory() as d:
+        shutil.copytree(d, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(DS_DIR, RANK_DIR))
+        state = json.loads((Path(d) / STATE_FILE).read_text())
+    return int(state["step"])
 
 
 def _calibrate(cfg: ClarifierConfig, folder: Path, progress) -> dict | None:
@@ -123,10 +218,3 @@ def _calibrate(cfg: ClarifierConfig, folder: Path, progress) -> dict | None:
         return None
     return calibrate_model(folder, examples, max_over_asking=cfg.eval.max_over_asking,
                            cache_dir=cfg.model.cache_dir, batch_size=cfg.eval.batch_size, progress=progress)
-
-
-def _fs_kwargs(uri: str) -> dict:
-    if storage.is_s3(uri):
-        fs, _ = storage.filesystem(uri)
-        return {"filesystem": fs}
-    return {}

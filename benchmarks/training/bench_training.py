@@ -1,0 +1,193 @@
+"""Training benchmark: tokens/s of the Clarifier trainer vs a plain loop, 1 vs 2 workers, ZeRO-2 vs ZeRO-3.
+
+    .venv/bin/python benchmarks/training/bench_training.py                       # CPU: real SmolLM2, 30 steps
+    .venv/bin/python benchmarks/training/bench_training.py --model <folder> --steps 8 --conversations 60  # smoke
+    .venv/bin/python benchmarks/training/bench_training.py --gpu                 # GPU: ZeRO-2 vs ZeRO-3, < 8 min
+
+CPU mode (default), all on the same prepared data, model, LoRA config, micro-batch and step count:
+
+1. **plain**: a single-process transformers + PEFT loop (torch AdamW, no Ray, no DeepSpeed, no
+   tracking), reading the same rows in the same order as the trainer's rank 0 with one worker;
+2. **trainer, 1 worker**: ``clarifier.train.trainer.train`` (Ray Train + DeepSpeed ZeRO-2 on gloo,
+   MLflow tracking); ratio **trainer_1w / plain** is the trainer's overhead;
+3. **trainer, 2 workers**: ratio **trainer_2w / trainer_1w** is the data-parallel scaling on CPU.
+
+Tokens/s counts non-padding tokens of all workers per optimizer step; each run's figure is the median
+over its steps after ``--warmup`` steps (start-up, model loading and the final checkpoint are
+outside it). Every worker and the plain loop use ``--threads`` torch threads.
+
+GPU mode (``--gpu``): the trainer with ``train.use_gpu`` (bf16) on all visible GPUs, ZeRO-2 then
+ZeRO-3, each for ``--minutes`` of training (``train.max_minutes``); tokens/s and MFU =
+``flops_per_token * tokens/s / (n_gpus * peak)``, with ``flops_per_token = 4 * n_params`` (LoRA:
+forward 2N plus the activation-gradient half of backward 2N; frozen weights get no weight-gradient
+GEMMs; +2N with gradient checkpointing; attention-score FLOPs ignored) and ``--peak-tflops`` per GPU
+(default 989, H100/H200 dense bf16). Two runs of ``--minutes 2.5`` plus start-up fit in 8 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import write_result  # noqa: E402
+
+
+def _prepare(args, work: Path, ray_started) -> list[str]:
+    from clarifier.config import build_config
+    from clarifier.data.pipeline import prepare
+    from clarifier.data.synthetic import write_logs
+
+    base = [f"storage.root={work / 'store'}", f"data.input={work / 'logs'}", f"data.output={args.data or work / 'data'}",
+            "data.formats=[jsonl]", f"model.base_model={args.model}", f"model.lora.r={args.lora_r}",
+            f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={args.steps}", "train.checkpoint_every=0",
+            "train.max_failures=0", "eval.calibration_split=null", "train.warmup_steps=2", "model.lora.dropout=0.0",
+            f"train.cpus_per_worker={args.threads}", f"data.max_length={args.max_length}",
+            "train.experiment=bench-training"]
+    if not args.data:
+        write_logs(str(work / "logs"), args.conversations, seed=0, shards=2)
+        prepare(build_config({}, base), progress=lambda m: None)
+    return base
+
+
+def _trainer_tps(base: list[str], extra: list[str], warmup: int) -> dict:
+    from mlflow import MlflowClient
+
+    from clarifier.config import build_config
+    from clarifier.train.trainer import train
+
+    cfg = build_config({}, [*base, *extra])
+    t0 = time.time()
+    res = train(cfg, progress=lambda m: None)
+    wall = time.time() - t0
+    client = MlflowClient()
+    hist = sorted((m.step, m.value) for m in client.get_metric_history(res.run_id, "train/tokens_per_s"))
+    vals = [v for s, v in hist if s > warmup] or [v for _, v in hist]
+    return {"tokens_per_s": statistics.median(vals), "steps": res.steps, "wall_s_incl_startup": round(wall, 1),
+            "per_step_tokens_per_s": [round(v, 1) for _, v in hist], "run_id": res.run_id}
+
+
+def _plain_tps(base: list[str], warmup: int, threads: int) -> dict:
+    """The same training in one process: transformers + PEFT + torch AdamW, same rows and order."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from clarifier.config import build_config
+    from clarifier.models import load_causal_lm, load_tokenizer, resolve_base_model
+    from clarifier.train.loop import batch_indices, load_train_table, make_batch
+    from clarifier.train.objective import joint_loss
+
+    cfg = build_config({}, base)
+    t = cfg.train
+    torch.set_num_threads(threads)
+    torch.manual_seed(t.seed)
+    path = resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
+    tok, model = load_tokenizer(path), load_causal_lm(path)
+    lc = cfg.model.lora
+    model = get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                             target_modules=lc.target_modules, task_type="CAUSAL_LM"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate)
+    table = load_train_table(cfg.data.output, None)
+    rates = []
+    for step in range(t.max_steps):
+        t0 = time.perf_counter()
+        b = make_batch(table, batch_indices(table.num_rows, t.seed, 1, 0, t.micro_batch_size, step), tok.pad_token_id, "cpu")
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        loss, _ = joint_loss(out.logits, b["labels"], b["loss_weights"], b["segment_ids"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rates.append(int(b["attention_mask"].sum()) / (time.perf_counter() - t0))
+    vals = rates[warmup:] or rates
+    return {"tokens_per_s": statistics.median(vals), "steps": len(rates), "per_step_tokens_per_s": [round(r, 1) for r in rates]}
+
+
+def _n_params(model_spec: str) -> int:
+    from clarifier.models import load_causal_lm, resolve_base_model
+
+    m = load_causal_lm(resolve_base_model(model_spec, None))
+    return sum(p.numel() for p in m.parameters())
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model.base_model (built-in name, folder, hub id)")
+    ap.add_argument("--data", default=None, help="an existing data-job output folder (default: synthesise and prepare)")
+    ap.add_argument("--conversations", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of each median")
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (and for the plain loop)")
+    ap.add_argument("--gpu", action="store_true", help="GPU mode: ZeRO-2 vs ZeRO-3 tokens/s and MFU")
+    ap.add_argument("--gpus", type=int, default=None, help="GPU mode: workers (default: all visible GPUs)")
+    ap.add_argument("--minutes", type=float, default=2.5, help="GPU mode: training time per ZeRO stage")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="GPU mode: peak dense bf16 TFLOP/s per GPU")
+    ap.add_argument("--out", default=None, help="result file (default benchmarks/results/training[-gpu].json)")
+    args = ap.parse_args(argv)
+
+    import ray
+
+    from clarifier.runtime import init_ray
+
+    from clarifier.services import start_mlflow_server
+
+    work = Path(tempfile.mkdtemp(prefix="bench-training-"))
+    server = start_mlflow_server(work / "mlflow")  # a real tracking server, as in training (workers log to it)
+    os.environ["MLFLOW_TRACKING_URI"] = server.url
+    if args.gpu:
+        import torch
+
+        n_gpu = args.gpus or torch.cuda.device_count()
+        if n_gpu < 1:
+            raise SystemExit("--gpu: no GPU visible")
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 4, n_gpu * (args.threads + 1)), num_gpus=n_gpu,
+                 include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        base = _prepare(args, work, True)
+        base += ["train.use_gpu=true", f"train.num_workers={n_gpu}", f"train.max_minutes={args.minutes}",
+                 "train.max_steps=100000"]
+        n_params = _n_params(args.model)
+        flops_per_token = 4 * n_params
+        runs = {}
+        for stage in (2, 3):
+            r = _trainer_tps(base, [f"train.zero_stage={stage}", f"train.run_name=bench-zero{stage}-{int(time.time())}"],
+                             args.warmup)
+            r["mfu"] = flops_per_token * r["tokens_per_s"] / (n_gpu * args.peak_tflops * 1e12)
+            runs[f"zero{stage}"] = r
+            print(f"ZeRO-{stage}: {r['tokens_per_s']:.0f} tokens/s, MFU {r['mfu']:.2%}", flush=True)
+        result = {"mode": "gpu", "gpus": n_gpu, "model": args.model, "n_params": n_params,
+                  "flops_per_token": flops_per_token, "peak_tflops_per_gpu": args.peak_tflops,
+                  "micro_batch": args.micro_batch, "minutes_per_stage": args.minutes, "runs": runs,
+                  "ratio_zero3_over_zero2": runs["zero3"]["tokens_per_s"] / runs["zero2"]["tokens_per_s"]}
+        path = write_result("training-gpu", result, args.out)
+    else:
+        init_ray(num_cpus=2 * args.threads + 2)
+        base = _prepare(args, work, True)
+        plain = _plain_tps(base, args.warmup, args.threads)
+        print(f"plain loop: {plain['tokens_per_s']:.0f} tokens/s", flush=True)
+        one = _trainer_tps(base, ["train.num_workers=1", "train.run_name=bench-1w"], args.warmup)
+        print(f"trainer, 1 worker: {one['tokens_per_s']:.0f} tokens/s", flush=True)
+        two = _trainer_tps(base, ["train.num_workers=2", "train.run_name=bench-2w"], args.warmup)
+        print(f"trainer, 2 workers: {two['tokens_per_s']:.0f} tokens/s", flush=True)
+        result = {"mode": "cpu", "model": args.model, "steps": args.steps, "micro_batch": args.micro_batch,
+                  "threads_per_worker": args.threads, "conversations": args.conversations,
+                  "runs": {"plain": plain, "trainer_1w": one, "trainer_2w": two},
+                  "ratio_trainer_1w_over_plain": one["tokens_per_s"] / plain["tokens_per_s"],
+                  "ratio_2w_over_1w": two["tokens_per_s"] / one["tokens_per_s"],
+                  "notes": "tokens/s = non-padding tokens of all workers per optimizer step, median after warm-up; "
+                           "the trainer's figure includes its per-step MLflow logging"}
+        path = write_result("training", result, args.out)
+    ray.shutdown()
+    server.stop()
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""``clarifier ... --submit``: real Ray jobs on a real local head started by this test (and only
+its own processes stopped: never ``ray stop``, which would kill every Ray instance on the machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration]
+
+
+def _own_pids(marker: str) -> list[int]:
+    """Processes whose command line names our head's unique temp dir (only ours can)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if marker in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    from clarifier.services import free_port
+
+    port, dash = free_port(), free_port()
+    tmp = tempfile.mkdtemp(prefix="clrh-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Ray 2.60 turns token auth on for a new head when ~/.ray/auth_token exists (machine-wide state);
+    # this test head is explicitly without it, so the test does not depend on that file.
+    env["RAY_AUTH_MODE"] = "disabled"
+    # As if started from an activated virtualenv: job entrypoints run `python` from the head's PATH.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    ray_exe = str(Path(sys.executable).parent / "ray")
+    proc = subprocess.Popen(
+        [ray_exe, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
+         "--include-dashboard=true", "--num-cpus=4", f"--temp-dir={tmp}", "--block", "--disable-usage-stats"],
+        stdout=open(Path(tmp) / "head.log", "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{dash}"
+    try:
+        from ray.job_submission import JobSubmissionClient
+
+        deadline = time.time() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ray start exited with {proc.returncode}: {(Path(tmp) / 'head.log').read_text()[-2000:]}")
+            try:
+                JobSubmissionClient(url).list_jobs()
+                break
+            except Exception:
+                if time.time() > deadline:
+                    raise
+                time.sleep(2)
+        yield url
+    finally:
+        # Stop exactly what we started: our process group, then anything still naming our temp dir.
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            for pid in _own_pids(tmp):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(2)
+            if proc.poll() is not None and not _own_pids(tmp):
+                break
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.timeout(600)
+def test_submitted_data_job_runs_this_checkout_and_reports_success(ray_head, tiny_model_dir, tmp_path, monkeypatch):
+    from ray.job_submission import JobSubmissionClient
+
+    from clarifier.config import build_config
+    from clarifier.data.synthetic import write_logs
+    from clarifier.submit import submit_stage
+
+    write_logs(str(tmp_path / "logs"), 20, seed=1, shards=1)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # a non-secret setting: forwarded
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-ship-me")  # a secret: never forwarded or printed
+    monkeypatch.chdir(tmp_path)  # relative paths in the config are made absolute for the job
+    cfg = build_config({}, ["data.input=logs", "data.output=data", "data.formats=[jsonl]",
+                            f"model.base_model={tiny_model_dir}", "data.split={train: 0.8, dev: 0.2}"])
+    said, logs = [], []
+    sub = submit_stage(ray_head, ["data", "prepare"], cfg, progress=said.append, write=logs.append)
+    out = "".join(logs)
+    assert sub.status == "SUCCEEDED" and sub.exit_code == 0 and sub.job_id.startswith("raysubmit_"), out[-4000:]
+    assert "[data] wrote" in out  # the job's own output was streamed
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert manifest["counts"]["splits"]["train"]["examples"] > 0
+    info = JobSubmissionClient(ray_head).get_job_info(sub.job_id)
+    env = info.runtime_env["env_vars"]
+    assert env["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:9" and "AWS_SECRET_ACCESS_KEY" not in env
+    assert "py_modules" in info.runtime_env  # this checkout's package travels with the job
+    assert not any("do-not-ship-me" in line for line in [*said, out])
+    assert any(sub.job_id in line for line in said)
+
+
+@pytest.mark.timeout(300)
+def test_cli_submit_exits_with_the_failed_jobs_status(ray_head, tmp_path):
+    from typer.testing import CliRunner
+
+    from clarifier.cli import app
+
+    res = CliRunner().invoke(app, ["train", "--submit", ray_head, f"data.output={tmp_path / 'missing'}",
+                                   f"storage.root={tmp_path / 'store'}"])
+    assert res.exit_code == 1, res.output
+    last = json.loads(res.output.strip().splitlines()[-1])
+    assert last["status"] == "FAILED" and last["job_id"].startswith("raysubmit_")
+    assert "has no manifest.json" in res.output  # the job's error, streamed back
+
+
+def test_submit_refuses_a_ray_client_address_and_bad_config_before_submitting(tmp_path):
+    from typer.testing import CliRunner
+
+    from clarifier.cli import app
+
+    res = CliRunner().invoke(app, ["train", "--submit", "ray://127.0.0.1:10001"])
+    assert res.exit_code == 2 and "dashboard address" in res.output
+    res = CliRunner().invoke(app, ["train", "--submit", "http://127.0.0.1:9", "train.max_stepz=3"])
+    assert res.exit_code == 2 and "train.max_stepz" in res.output

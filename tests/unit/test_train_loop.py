@@ -1,0 +1,90 @@
+"""Pure parts of the training loop: data order, pipeline segment masks, RNG state, DeepSpeed config."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from clarifier.config import ConfigError, build_config
+from clarifier.train.loop import (
+    PIPELINE_PARTS, batch_indices, deepspeed_config, epoch_permutation, make_batch, micro_batches_per_epoch,
+    rng_state, segment_scale, set_rng_state,
+)
+from clarifier.train.objective import IGNORE, SEGMENT_IDS
+
+
+def test_data_order_is_a_function_of_seed_and_epoch_and_skipping_reproduces_it():
+    n, world, mb = 23, 2, 3
+    per_epoch = micro_batches_per_epoch(n, world, mb)
+    assert per_epoch == 3  # 18 of 23 rows per epoch; the remainder is dropped so ranks stay in step
+    full = [[batch_indices(n, 7, world, r, mb, j) for r in range(world)] for j in range(3 * per_epoch)]
+    # An epoch covers distinct rows, disjoint across ranks.
+    first = [i for j in range(per_epoch) for r in range(world) for i in full[j][r]]
+    assert len(first) == len(set(first)) == per_epoch * world * mb
+    # Each epoch is reshuffled, and deterministically so.
+    assert full[0] != full[per_epoch]
+    assert list(epoch_permutation(n, 7, 1)) == list(epoch_permutation(n, 7, 1))
+    assert list(epoch_permutation(n, 7, 1)) != list(epoch_permutation(n, 8, 1))
+    # Resuming at micro-batch k (any epoch) yields exactly the rest of the uninterrupted order.
+    for k in (0, 2, per_epoch, 2 * per_epoch + 1):
+        assert [[batch_indices(n, 7, world, r, mb, j) for r in range(world)] for j in range(k, 3 * per_epoch)] == full[k:]
+    with pytest.raises(ValueError, match="micro-batch"):
+        batch_indices(5, 0, 2, 0, 3, 0)
+
+
+def test_pipeline_parts_keep_only_their_segments():
+    assert segment_scale(None) is None
+    covered = set()
+    for part, segs in PIPELINE_PARTS.items():
+        scale = segment_scale(part)
+        assert {n for n, sid in SEGMENT_IDS.items() if scale[sid] == 1.0} == set(segs)
+        covered |= set(segs)
+    assert covered == set(SEGMENT_IDS)  # the three parts together train every target segment once
+    d, g = SEGMENT_IDS["decision"], SEGMENT_IDS["grounding"]
+    import pyarrow as pa
+
+    table = pa.table({"input_ids": [[5, 6, 7]], "labels": [[IGNORE, 6, 7]], "loss_weights": [[0.0, 2.0, 1.0]],
+                      "segment_ids": [[0, d, g]], "needs_clarification": [True]})
+    b = make_batch(table, [0], pad_id=0, device="cpu", scale=segment_scale("how"))
+    assert b["loss_weights"].tolist() == [[0.0, 0.0, 1.0]] and b["clarify"].tolist() == [True]
+    b = make_batch(table, [0], pad_id=0, device="cpu", scale=segment_scale("when"))
+    assert b["loss_weights"].tolist() == [[0.0, 2.0, 0.0]]
+
+
+def test_rng_state_round_trips_through_a_weights_only_torch_file(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    st = rng_state()
+    torch.save(st, tmp_path / "rank0.pt")
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    set_rng_state(torch.load(tmp_path / "rank0.pt", weights_only=True))
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_deepspeed_config_offload_and_errors_name_the_key():
+    cfg = build_config({}, ["train.zero_stage=3", "train.offload_optimizer=true", "train.offload_params=true"])
+    z = deepspeed_config(cfg, 10)["zero_optimization"]
+    assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu" and z["offload_param"]["device"] == "cpu"
+    assert "offload_optimizer" not in deepspeed_config(build_config({}, []), 10)["zero_optimization"]
+    with pytest.raises(ConfigError, match="train.offload_params"):
+        build_config({}, ["train.zero_stage=2", "train.offload_params=true"])
+    with pytest.raises(ConfigError, match="train.variant"):
+        build_config({}, ["train.variant=ensemble"])
+
+
+def test_job_configs_for_one_cpu_box_one_gpu_and_a_gpu_cluster():
+    from pathlib import Path
+
+    from clarifier.config import load_config
+
+    configs = Path(__file__).resolve().parents[2] / "jobs" / "configs"
+    cpu = load_config(configs / "quickstart.yaml").train
+    assert not cpu.use_gpu and cpu.num_workers == 2
+    gpu1 = load_config(configs / "gpu-1.yaml").train
+    assert gpu1.use_gpu and gpu1.num_workers == 1 and gpu1.checkpoint_every > 0
+    cluster = load_config(configs / "cluster-gpu.yaml").train
+    assert cluster.use_gpu and cluster.num_workers == 8 and cluster.zero_stage == 3 and cluster.max_failures >= 1
+    assert cluster.checkpoint_every > 0 and cluster.run_name is None  # a new run per job unless named to resume
+    ds = deepspeed_config(load_config(configs / "gpu-1.yaml", ["train.offload_optimizer=true"]), 10)
+    assert ds["bf16"]["enabled"] and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
