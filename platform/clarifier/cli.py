@@ -13,12 +13,13 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .config import ConfigError, dump_config, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-data_app = typer.Typer(no_args_is_help=True, help="Data jobs: synthetic logs, preprocessing.")
-models_app = typer.Typer(no_args_is_help=True, help="MLflow model registry: register, promote, list.")
+data_app = typer.Typer(no_args_is_help=True, help="Data jobs: synthetic logs, public-dataset import, preprocessing.")
+models_app = typer.Typer(no_args_is_help=True, help="MLflow model registry: register, promote (gated), rollback, list, diff.")
 app.add_typer(data_app, name="data")
 app.add_typer(models_app, name="models")
 console = Console(highlight=False, soft_wrap=True)
@@ -37,6 +38,28 @@ def _cfg(config: Optional[Path], overrides: Optional[list[str]]):
     except ConfigError as exc:
         console.print(f"[red]config error:[/red] {exc}")
         raise typer.Exit(2)
+
+
+SubmitOpt = typer.Option(None, "--submit", metavar="ADDRESS",
+                         help="Submit as a Ray job to the cluster whose dashboard is at ADDRESS (http://<head>:8265), "
+                              "stream its logs and exit with its status.")
+InstalledCodeOpt = typer.Option(False, "--installed-code",
+                                help="With --submit: run the clarifier package installed on the cluster instead of shipping this checkout's.")
+
+
+def _submit(address: str, stage: list[str], cfg, extra_args: list[str] | None = None, installed_code: bool = False):
+    """Submit a stage as a Ray job; prints the job id, streams logs, exits with the job's status."""
+    from .submit import submit_stage
+
+    from ray.exceptions import AuthenticationError
+
+    try:
+        sub = submit_stage(address, stage, cfg, extra_args, ship_code=not installed_code, progress=_say)
+    except (ValueError, AuthenticationError, ConnectionError) as exc:
+        console.print(f"[red]submit error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
+    print(json.dumps({"job_id": sub.job_id, "status": sub.status, "address": sub.address}), flush=True)
+    raise typer.Exit(sub.exit_code)
 
 
 @app.command()
@@ -75,9 +98,38 @@ def data_synth(out: str = typer.Option(..., help="Folder or s3:// prefix for JSO
     _say(f"wrote {n} conversations to {len(files)} files under {out}")
 
 
+@data_app.command("import")
+def data_import(dataset: str = typer.Argument(..., help="Importer name: clariq, pacific, abgcoqa, claqua or a plugin's."),
+                src: Path = typer.Option(..., "--src", help="Folder holding the dataset as published."),
+                out: str = typer.Option(..., "--out", help="file.jsonl, or a folder / s3:// prefix (one JSONL per split)."),
+                option: Optional[list[str]] = typer.Option(None, "--option", "-o", help="Importer option key=value (repeatable)."),
+                s3_endpoint_url: Optional[str] = typer.Option(None, help="S3-compatible endpoint for an s3:// --out.")):
+    """Import a public dataset into evaluation-set JSONL; print counts per label and skipped rows by reason."""
+    from . import storage
+    from .data.importers.export import export_dataset
+
+    opts: dict[str, str] = {}
+    for o in option or []:
+        if "=" not in o:
+            console.print(f"[red]--option {o!r} must look like key=value[/red]")
+            raise typer.Exit(2)
+        k, v = o.split("=", 1)
+        opts[k.strip()] = v
+    storage.set_s3_endpoint(s3_endpoint_url)
+    try:
+        report = export_dataset(dataset, src, out, opts, progress=_say)
+    except (KeyError, ValueError, FileNotFoundError, ImportError, TypeError) as exc:
+        from rich.markup import escape
+
+        console.print(f"[red]import error:[/red] {escape(str(exc.args[0] if isinstance(exc, KeyError) else exc))}")
+        raise typer.Exit(2)
+    _say(json.dumps({k: v for k, v in report.items() if k != "skipped_records"}, indent=2))
+
+
 @data_app.command("prepare")
 def data_prepare(config: Optional[Path] = ConfigOpt,
                  synthetic: bool = typer.Option(False, help="First write data.synthetic_conversations synthetic logs to data.input."),
+                 submit: Optional[str] = SubmitOpt, installed_code: bool = InstalledCodeOpt,
                  overrides: Optional[list[str]] = OverridesArg):
     """Ray Data job: logs -> validated, split, tokenised Parquet + quarantine + manifest."""
     from . import storage
@@ -85,6 +137,8 @@ def data_prepare(config: Optional[Path] = ConfigOpt,
     from .runtime import init_ray
 
     cfg = _cfg(config, overrides)
+    if submit:
+        _submit(submit, ["data", "prepare"], cfg, ["--synthetic"] if synthetic else [], installed_code)
     storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
     if synthetic:
         from .data.synthetic import write_logs
@@ -100,12 +154,17 @@ def data_prepare(config: Optional[Path] = ConfigOpt,
 
 
 @app.command()
-def train(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
-    """Ray Train job: LoRA fine-tuning on the joint objective with DeepSpeed, tracked in MLflow."""
+def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
+          installed_code: bool = InstalledCodeOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Ray Train job: LoRA fine-tuning on the joint objective with DeepSpeed, tracked in MLflow.
+
+    Rerunning with the same train.run_name (and storage.root) resumes from the last checkpoint."""
     from .runtime import init_ray
     from .train.trainer import train as run_train
 
     cfg = _cfg(config, overrides)
+    if submit:
+        _submit(submit, ["train"], cfg, [], installed_code)
     init_ray()
     res = run_train(cfg, progress=_say)
     _say(json.dumps({"run_id": res.run_id, "model_dir": res.model_dir, "steps": res.steps}))
@@ -116,11 +175,20 @@ def eval_cmd(model: str = typer.Option(..., help="models:/name@alias, runs:/<id>
              data: Optional[str] = typer.Option(None, help="Data-job output folder or evaluation-set JSONL (default data.output)."),
              run_id: Optional[str] = typer.Option(None, help="Log the report to this MLflow run."),
              out: Optional[Path] = typer.Option(None, help="Folder for report.json / report.md / plots."),
-             config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+             config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
+             installed_code: bool = InstalledCodeOpt, overrides: Optional[list[str]] = OverridesArg):
     """Evaluate a model and the baselines; write JSON, Markdown and plots."""
     from .evaluation.evaluate import evaluate
 
     cfg = _cfg(config, overrides)
+    if submit:
+        from .submit import _absolute
+
+        args = ["--model", _absolute(model) if Path(model).exists() else model]
+        args += ["--data", _absolute(data) if Path(data).exists() else data] if data else []
+        args += ["--run-id", run_id] if run_id else []
+        args += ["--out", _absolute(str(out))] if out else []
+        _submit(submit, ["eval"], cfg, args, installed_code)
     rep = evaluate(cfg, model, data, run_id=run_id, out_dir=str(out) if out else None, progress=_say)
     _say(f"report: {rep['paths']}")
 
@@ -136,35 +204,157 @@ def models_register(run_id: str = typer.Option(..., help="MLflow run holding the
 
 
 @models_app.command("promote")
-def models_promote(name: str, to: str = typer.Option("champion", "--to"),
-                   from_alias: Optional[str] = typer.Option(None, "--from", help="Alias whose version is promoted."),
-                   version: Optional[str] = typer.Option(None, help="Version to promote (instead of --from).")):
-    """Point alias --to at a version (given directly or via another alias)."""
-    from mlflow import MlflowClient
+def models_promote(name: str = typer.Argument(..., help="Registered model name."),
+                   to: str = typer.Option("champion", "--to", help="Alias to move when the gate passes."),
+                   from_alias: Optional[str] = typer.Option(None, "--from", help="Alias whose version is the challenger."),
+                   version: Optional[str] = typer.Option(None, help="Challenger version (instead of --from)."),
+                   data: Optional[str] = typer.Option(None, help="Evaluation set (JSONL or data-job folder) to evaluate "
+                                                            "both versions on; default: their logged metrics on a common set."),
+                   config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Promotion gate: move alias --to to the challenger only if every registry.gate criterion holds (audited).
 
-    from .registry.registry import set_alias
+    Exit code 0 when promoted, 1 when the gate refused, 2 on a usage/config error.
+    """
+    from .registry.promotion import PromotionError, promote
 
-    if not (from_alias or version):
-        console.print("[red]give --from ALIAS or --version N[/red]")
+    cfg = _cfg(config, overrides)
+    try:
+        d = promote(cfg, name, to_alias=to, from_alias=from_alias, version=version, data=data, progress=_say)
+    except PromotionError as exc:
+        console.print(f"[red]promotion error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
-    if from_alias:
-        version = MlflowClient().get_model_version_by_alias(name, from_alias).version
-    set_alias(name, to, version)
-    _say(f"{name}@{to} -> version {version}")
+    _print_gate(d)
+    if d.decision != "promoted":
+        raise typer.Exit(1)
+
+
+def _print_gate(d) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"{d.model}: v{d.challenger_version} vs @{d.alias} "
+                    + (f"v{d.champion_version}" if d.champion_version else "(none)")
+                    + f" on {d.eval_set.get('data')}")
+    for col in ("criterion", "value", "limit", "result", "rule"):
+        t.add_column(col, overflow="fold")
+    for c in d.gate.criteria:
+        res = "skipped" if c.skipped else ("pass" if c.passed else "FAIL")
+        t.add_row(c.name, _fmt_num(c.value), _fmt_num(c.limit), res, c.rule)
+    _print_table(t)
+    _say(f"decision: {d.decision}" + ("" if d.decision == "promoted" else f" ({d.gate.summary()})"))
+
+
+def _print_table(table) -> None:
+    """Rich tables at the terminal's width; piped/captured output is not squeezed into 80 columns."""
+    out = console if console.is_terminal else Console(highlight=False, width=200)
+    out.print(table)
+
+
+def _fmt_num(v) -> str:
+    return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+@models_app.command("rollback")
+def models_rollback(name: str = typer.Argument(..., help="Registered model name."),
+                    alias: str = typer.Option("champion", help="Alias to move back."),
+                    reason: Optional[str] = typer.Option(None, help="Why (recorded in the audit log)."),
+                    config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Point an alias back at the version it held before (from the audit log); the rollback is audited too."""
+    from .registry.promotion import PromotionError, rollback
+
+    cfg = _cfg(config, overrides)
+    try:
+        rec = rollback(cfg, name, alias=alias, reason=reason, progress=_say)
+    except PromotionError as exc:
+        console.print(f"[red]rollback error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
+    _say(f"{name}@{alias} -> version {rec['to_version']} (was {rec['from_version']})")
 
 
 @models_app.command("list")
-def models_list(name: str = typer.Argument("clarifier")):
-    """List versions of a registered model with their aliases."""
+def models_list(name: str = typer.Argument("clarifier"),
+                config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Versions of a registered model: aliases, key eval metrics, last gate decision."""
     from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+    from rich.table import Table
 
-    client = MlflowClient()
-    rm = client.get_registered_model(name)
+    cfg = _cfg(config, overrides)
+    client = MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
+    try:
+        rm = client.get_registered_model(name)
+    except MlflowException:
+        console.print(f"[red]no registered model {name!r}[/red]")
+        raise typer.Exit(2)
     aliases: dict[str, list[str]] = {}
     for a, v in (rm.aliases or {}).items():
         aliases.setdefault(str(v), []).append(a)
-    for mv in client.search_model_versions(f"name='{name}'"):
-        _say(f"{name} v{mv.version}  aliases={aliases.get(str(mv.version), [])}  run={mv.run_id}  source={mv.source}")
+    t = Table(title=f"{name}")
+    for col in ("version", "aliases", "F1", "over-ask", "validity", "eval set", "gate", "run"):
+        t.add_column(col, overflow="fold", justify="right" if col in ("F1", "over-ask", "validity") else "left")
+    for mv in sorted(client.search_model_versions(f"name='{name}'"), key=lambda m: int(m.version)):
+        tags = mv.tags or {}
+        gates = ", ".join(f"{k.split('.')[1]}:{v}" for k, v in tags.items() if k.startswith("gate.") and k.endswith(".decision"))
+        t.add_row(str(mv.version), ", ".join(sorted(aliases.get(str(mv.version), []))) or "-",
+                  _tag_num(tags.get("eval.f1")), _tag_num(tags.get("eval.over_asking_rate")),
+                  _tag_num(tags.get("eval.validity")), (tags.get("eval.data") or "-")[-40:], gates or "-",
+                  (mv.run_id or "-")[:8])
+    _print_table(t)
+
+
+def _tag_num(v) -> str:
+    try:
+        return f"{float(v):.3f}" if v not in (None, "") else "-"
+    except ValueError:
+        return str(v)
+
+
+@models_app.command("diff")
+def models_diff(name: str = typer.Argument(..., help="Registered model name."),
+                v1: str = typer.Argument(..., help="First version."), v2: str = typer.Argument(..., help="Second version."),
+                config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Key metrics of two versions side by side (on their common evaluation set when they have one)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+    from rich.table import Table
+
+    from .registry.registry import KEY_METRICS, logged_eval_sets
+
+    cfg = _cfg(config, overrides)
+    client = MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
+    try:
+        a, b = client.get_model_version(name, v1), client.get_model_version(name, v2)
+    except MlflowException as exc:
+        console.print(f"[red]{escape(str(exc))}[/red]")
+        raise typer.Exit(2)
+    sa, sb = logged_eval_sets(a.tags), logged_eval_sets(b.tags)
+    common = [fp for fp in sa if fp in sb]
+    if common:
+        fp = a.tags.get("eval.data_fingerprint") if a.tags.get("eval.data_fingerprint") in common else common[0]
+        ma, mb, where = sa[fp]["metrics"], sb[fp]["metrics"], f"on {sa[fp]['data']} ({fp[:12]})"
+    else:
+        def tagged(mv):
+            return {k: mv.tags.get(f"eval.{k}") for k in KEY_METRICS}
+        ma, mb = tagged(a), tagged(b)
+        where = "WARNING: no common evaluation set; each version's own registration eval"
+    t = Table(title=f"{name} v{v1} vs v{v2} {where}")
+    for col in ("metric", f"v{v1}", f"v{v2}", "delta"):
+        t.add_column(col, justify="left" if col == "metric" else "right", no_wrap=True)
+    for k in KEY_METRICS:
+        x, y = _as_float(ma.get(k)), _as_float(mb.get(k))
+        delta = f"{y - x:+.4f}" if x is not None and y is not None else "-"
+        t.add_row(k, _fmt_num(x), _fmt_num(y), delta)
+    for label, key in (("run", None), ("base model", "clarifier.base_model"), ("data manifest", "clarifier.data_manifest_sha256")):
+        va = a.run_id if key is None else a.tags.get(key)
+        vb = b.run_id if key is None else b.tags.get(key)
+        t.add_row(label, (va or "-")[:16], (vb or "-")[:16], "" if va == vb else "differs")
+    _print_table(t)
+
+
+def _as_float(v):
+    try:
+        return None if v in (None, "") else float(v)
+    except (TypeError, ValueError):
+        return None
 
 
 @app.command()

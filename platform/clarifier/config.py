@@ -7,11 +7,12 @@ A wrong key or a wrong type is a ``ConfigError`` that names the dotted key (and 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -27,15 +28,93 @@ class StorageConfig(_Strict):
     s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, s3rver); else AWS.")
 
 
+class SilverGroundingConfig(_Strict):
+    """Fill missing grounding of clarify examples from MiniLM similarity (see clarifier.data.grounding)."""
+
+    enabled: bool = Field(False, description="Run the silver-grounding stage in the data job.")
+    encoder: str | None = Field(None, description="Sentence encoder: null = packaged all-MiniLM-L6-v2; folder, hub id or s3://.")
+    roles: list[Literal["user", "assistant", "system"]] = Field(["user"], description="Turns that can be grounding.")
+    min_similarity: float = Field(0.3, ge=-1, le=1)
+    margin: float = Field(0.3, ge=0, le=2, description="Keep turns within this much of the best turn's similarity.")
+    max_turns: int = Field(3, ge=1)
+    compare_with_gold: bool = Field(True, description="Also score gold-grounded examples to report agreement.")
+    actors: int = Field(1, ge=1, description="Encoder actors (each holds one encoder).")
+
+
+class PackingConfig(_Strict):
+    """Pack train examples into fixed-length blocks (attention kept within each example)."""
+
+    enabled: bool = False
+    block_length: int = Field(1024, ge=8, description="Tokens per packed block; >= data.max_length.")
+
+
+# Default rules of clarifier.data.labelling (regexes, matched case-insensitively on the assistant turn).
+DEFAULT_CLARIFY_PATTERNS = (
+    r"\byou mean\b",  # do / did / whether / what do you mean
+    r"\bwhich (one|ones|of)\b",
+    r"\bwhich \w+(\s\w+)? (do|did|are|were|would|should) you\b",
+    r"\b(could|can|would) you (please )?(clarify|specify|be more specific)\b",
+    r"\bare you (asking|referring|talking|thinking) (about|to|of)\b",
+    r"\b(do|would) you (want|like|need|prefer|have in mind)\b.*\bor\b",
+    r"\bwhen you say\b",
+    r"\bare you (looking|searching) for\b",
+    r"\b(is|was) (this|it|that) (about|for|regarding)\b.*\bor\b",
+)
+DEFAULT_EXCLUDE_PATTERNS = (
+    r"\banything else\b",
+    r"\bsomething else\b",
+    r"\bis there (anything|something|more)\b",
+    r"\b(does|did|do) (this|that|these|it) (help|answer|work|solve|make sense)\b",
+    r"\b(can|may) i help\b",
+    r"\bhow else\b",
+    r"\bhope (this|that) helps\b",
+)
+
+
+class LabellingConfig(_Strict):
+    """Rules that label unlabelled conversation logs (see clarifier.data.labelling and README "Labelling raw logs")."""
+
+    enabled: bool = Field(False, description="Label conversation logs without any gold label by these rules.")
+    require_question_mark: bool = Field(True, description="A clarifying assistant turn must end with '?'.")
+    patterns: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_CLARIFY_PATTERNS),
+        description="Regexes (case-insensitive); a clarifying turn matches at least one. Empty = any turn ending with '?'.")
+    exclude_patterns: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_EXCLUDE_PATTERNS),
+        description="Regexes (case-insensitive); a turn matching any is not clarifying (e.g. 'Anything else?').")
+    max_question_chars: int = Field(300, ge=1, description="Longer assistant turns are answers, not clarifying questions.")
+    question_text: Literal["full", "from_question"] = Field(
+        "full", description="Target question: the whole assistant turn, or from its first sentence ending in '?'.")
+    grounding: Literal["first_mention", "all_mentions", "none"] = Field(
+        "first_mention", description="Prior turns that first mention (or: all that mention) a content word of the question not in the query.")
+    min_word_chars: int = Field(3, ge=1, description="Shorter words (without digits) are not content words.")
+    extra_stopwords: list[str] = Field(default_factory=list, description="Added to the built-in stopword list.")
+    max_grounding_turns: int | None = Field(None, ge=1, description="Keep at most this many (most recent) grounding turns.")
+
+    @field_validator("patterns", "exclude_patterns")
+    @classmethod
+    def _compiles(cls, v: list[str]) -> list[str]:
+        for i, pat in enumerate(v):
+            try:
+                re.compile(pat)
+            except re.error as exc:
+                raise ValueError(f"pattern [{i}] {pat!r} is not a valid regex: {exc}") from None
+        return v
+
+
 class DataConfig(_Strict):
     input: str = Field("", description="Folder, file or s3:// prefix of conversation logs / examples.")
     output: str = Field("", description="Where the data job writes Parquet splits and its manifest.")
-    formats: list[Literal["jsonl", "jsonl.gz"]] = ["jsonl", "jsonl.gz"]
+    formats: list[Literal["jsonl", "jsonl.gz", "parquet"]] = Field(
+        ["jsonl", "jsonl.gz", "parquet"], description="Input file kinds read under data.input (Parquet: one example or log per row).")
     split: dict[str, float] = {"train": 0.8, "dev": 0.1, "test": 0.1}
     seed: int = 0
     max_length: int = 512
     max_turn_chars: int = 4000
     synthetic_conversations: int = 400
+    silver_grounding: SilverGroundingConfig = SilverGroundingConfig()
+    packing: PackingConfig = PackingConfig()
+    labelling: LabellingConfig = LabellingConfig()
 
 
 class LoraConfig(_Strict):
@@ -62,6 +141,22 @@ class LossWeights(_Strict):
     format: float = Field(0.5, ge=0, description="Weight of the fixed 'decision:' prefix tokens.")
 
 
+class DecisionLossConfig(_Strict):
+    kind: Literal["ce", "weighted", "focal"] = Field(
+        "ce", description="Loss on the decision tokens: plain cross-entropy, class-weighted, or focal.")
+    clarify_weight: float | Literal["auto"] = Field(
+        "auto", description="weighted/focal: weight of 'clarify' examples' decision tokens relative to 'answer' "
+                            "ones; auto = n_answer / n_clarify of the train split (from the data manifest).")
+    gamma: float = Field(2.0, ge=0, description="focal: the focusing exponent (0 = class-weighted CE).")
+
+    @field_validator("clarify_weight")
+    @classmethod
+    def _positive(cls, v):
+        if v != "auto" and not v > 0:
+            raise ValueError("must be > 0 or 'auto'")
+        return v
+
+
 class TrainConfig(_Strict):
     num_workers: int = Field(2, ge=1)
     use_gpu: bool = False
@@ -75,10 +170,28 @@ class TrainConfig(_Strict):
     max_steps: int = Field(60, ge=1)
     max_minutes: float | None = Field(None, gt=0, description="Stop early (and checkpoint) after this much training time.")
     checkpoint_every: int = Field(0, ge=0, description="Steps between checkpoints; 0 = only at the end.")
+    keep_checkpoints: int | None = Field(2, ge=1, description="Newest checkpoints kept in storage; null = all.")
+    max_failures: int = Field(1, ge=-1, description="Worker-group failures to recover from (resume from the last checkpoint); -1 = unlimited.")
+    fail_at_step: int | None = Field(None, ge=1, description="Testing only: the last rank exits (os._exit) at this step, once -- in an attempt that restored no checkpoint.")
     seed: int = 0
     loss_weights: LossWeights = LossWeights()
+    decision_loss: DecisionLossConfig = DecisionLossConfig()
+    variant: Literal["joint", "pipeline"] = Field(
+        "joint", description="joint: one adapter for decision+grounding+question; pipeline: three adapters "
+                             "(when = decision, how = grounding, what = question) trained one after another.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory, ~30% slower).")
+    offload_optimizer: bool = Field(False, description="DeepSpeed: keep optimizer state in CPU memory (ZeRO-1/2/3).")
+    offload_params: bool = Field(False, description="DeepSpeed: keep parameters in CPU memory (ZeRO-3 only).")
     experiment: str = "clarifier"
-    run_name: str | None = None
+    run_name: str | None = Field(None, description="Names the MLflow run and the Ray Train run; rerunning with the same name (and storage.root) resumes from its last checkpoint.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError("train.offload_params needs train.zero_stage=3")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("train.offload_optimizer needs train.zero_stage >= 1")
+        return self
 
 
 class EvalConfig(_Strict):
@@ -89,12 +202,56 @@ class EvalConfig(_Strict):
     max_examples: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(48, ge=1)
     batch_size: int = Field(8, ge=1)
-    baselines: list[Literal["always_ask", "never_ask", "base_model"]] = ["always_ask", "never_ask", "base_model"]
+    baselines: list[Literal["always_ask", "never_ask", "lexical", "base_model"]] = [
+        "always_ask", "never_ask", "lexical", "base_model"]
+    engine: Literal["local", "ray"] = Field(
+        "local", description="local: score/generate in this process; ray: Ray Data map_batches over a pool of scorer actors.")
+    ray_actors: int = Field(1, ge=1, description="eval.engine=ray: scorer actors (each loads the model once).")
+    ray_cpus_per_actor: float = Field(1, gt=0)
+    ray_gpus_per_actor: float = Field(0, ge=0)
+    semantic_encoder: str | None = Field(
+        "all-minilm-l6-v2", description="Sentence encoder for question semantic similarity; null = skip that metric.")
+
+
+class GateConfig(_Strict):
+    """Promotion gate: the challenger is promoted only when every configured criterion holds."""
+
+    max_f1_drop: float | None = Field(0.01, ge=0, description="Challenger F1 >= champion F1 - this (skipped without a champion).")
+    max_over_asking_increase: float | None = Field(
+        None, ge=0, description="Challenger over-asking <= champion over-asking + this (skipped without a champion).")
+    min_f1: float | None = Field(None, ge=0, le=1, description="Absolute floor on the challenger's decision F1.")
+    max_over_asking: float | None = Field(0.35, ge=0, le=1, description="Absolute ceiling on the challenger's over-asking rate.")
+    min_validity: float | None = Field(0.95, ge=0, le=1, description="Absolute floor on the share of outputs that parse.")
 
 
 class RegistryConfig(_Strict):
     model_name: str = "clarifier"
     alias: str = "champion"
+    gate: GateConfig = GateConfig()
+    audit_log: str | None = Field(
+        None, description="Promotion audit log: local JSONL file or s3:// prefix; default <storage.root>/registry/audit.jsonl.")
+
+
+class ServeAutoscalingConfig(_Strict):
+    """Ray Serve autoscaling of the ClarifierModel deployment (the ingress follows; see serving.app)."""
+
+    enabled: bool = Field(False, description="Autoscale model replicas (serve.num_replicas is then ignored).")
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(4, ge=1)
+    initial_replicas: int | None = Field(None, ge=1)
+    target_ongoing_requests: float = Field(4, gt=0, description="Ongoing requests per replica the autoscaler aims for.")
+    upscale_delay_s: float = Field(30, ge=0)
+    downscale_delay_s: float = Field(600, ge=0)
+    look_back_period_s: float = Field(30, gt=0)
+    metrics_interval_s: float = Field(10, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "ServeAutoscalingConfig":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"initial_replicas ({self.initial_replicas}) outside [min_replicas, max_replicas]")
+        return self
 
 
 class ServeConfig(_Strict):
@@ -104,12 +261,21 @@ class ServeConfig(_Strict):
     route_prefix: str = "/"
     num_replicas: int = Field(1, ge=1)
     cpus_per_replica: float = Field(1, gt=0)
-    max_ongoing_requests: int = Field(8, ge=1)
+    gpus_per_replica: float = Field(0, ge=0, description="GPUs per model replica (the model then runs on CUDA).")
+    autoscaling: ServeAutoscalingConfig = ServeAutoscalingConfig()
+    max_ongoing_requests: int = Field(8, ge=1, description="Per model replica; raised to max_batch_size if lower.")
+    max_queued_requests: int = Field(
+        64, ge=-1, description="Requests waiting for a model replica before 503; -1 = unbounded.")
     max_batch_size: int = Field(8, ge=1)
     batch_wait_timeout_s: float = Field(0.05, ge=0)
     max_new_tokens: int = Field(48, ge=1)
     max_history_turns: int = Field(50, ge=0)
     max_chars: int = Field(20000, ge=1)
+    max_batch_requests: int = Field(32, ge=1, description="Most requests in one POST /v1/clarify/batch.")
+    api_keys_file: str | None = Field(
+        None, description="File with API keys, one per line (# comments); also $CLARIFIER_API_KEYS (comma separated).")
+    model_refresh_s: float = Field(
+        30, ge=0, description="Poll a models:/name@alias URI this often and hot-switch on change; 0 = never.")
 
 
 class TrackingConfig(_Strict):

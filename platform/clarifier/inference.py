@@ -91,6 +91,11 @@ class ClarifierEngine:
         from peft import PeftModel
 
         folder = Path(folder)
+        if cls is ClarifierEngine and (folder / "pipeline.json").is_file():  # train.variant=pipeline
+            from .pipeline_engine import PipelineEngine
+
+            return PipelineEngine.from_folder(folder, version=version, cache_dir=cache_dir, threshold=threshold,
+                                              max_new_tokens=max_new_tokens)
         refuse_pickles(folder)
         meta = read_meta(folder)
         base = load_causal_lm(resolve_base_model(meta.base_model, cache_dir))

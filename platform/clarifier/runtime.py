@@ -8,6 +8,7 @@ from .services import mlflow_env
 
 FORWARDED = ("MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
              "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "CLARIFIER_CACHE",
+             "CLARIFIER_S3_MAX_ATTEMPTS",
              "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
@@ -28,6 +29,19 @@ def local_cpus() -> int:
     return (os.cpu_count() or 2) + 2
 
 
+def _job_env_vars() -> set[str]:
+    """Env var names set by the runtime_env of the Ray job this driver runs in (empty outside one)."""
+    import json
+
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return set()
+    try:
+        return set(((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {}))
+    except (ValueError, AttributeError):
+        return set()
+
+
 def init_ray(num_cpus: int | None = None, quiet: bool = True):
     """Join the cluster in ``RAY_ADDRESS`` (e.g. inside ``ray job submit``) or start a local one."""
     import ray
@@ -36,7 +50,11 @@ def init_ray(num_cpus: int | None = None, quiet: bool = True):
         os.environ.setdefault(k, v)
     if ray.is_initialized():
         return ray
-    kw = {"runtime_env": {"env_vars": worker_env()}, "log_to_driver": True}
+    env = worker_env()
+    # Inside a submitted Ray job (clarifier ... --submit, ray job submit) the job's runtime_env is
+    # merged with ours, and Ray refuses the same env var in both: keep only what the job lacks.
+    env = {k: v for k, v in env.items() if k not in _job_env_vars()}
+    kw = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], **kw)
     else:

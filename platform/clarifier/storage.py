@@ -22,6 +22,18 @@ def s3_endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
 
+def s3_max_attempts() -> int:
+    """Attempts per S3 request (``CLARIFIER_S3_MAX_ATTEMPTS``, default 5)."""
+    raw = os.environ.get("CLARIFIER_S3_MAX_ATTEMPTS", "5")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"CLARIFIER_S3_MAX_ATTEMPTS must be an integer >= 1 (got {raw!r})") from None
+    if n < 1:
+        raise ValueError(f"CLARIFIER_S3_MAX_ATTEMPTS must be >= 1 (got {n})")
+    return n
+
+
 def set_s3_endpoint(url: str | None) -> None:
     """Export an endpoint override so every library in this process and its Ray workers use it."""
     if url:
@@ -39,7 +51,11 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
             pu = urlparse(ep)
             kw = {"endpoint_override": pu.netloc or ep, "scheme": pu.scheme or "http"}
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        return pafs.S3FileSystem(region=region, **kw), f"{u.netloc}{u.path}".rstrip("/")
+        # Transient errors (throttling, a store restarting) are retried with the SDK's exponential
+        # backoff; after the last attempt the error surfaces and the calling job fails cleanly.
+        retries = pafs.AwsStandardS3RetryStrategy(max_attempts=s3_max_attempts())
+        return (pafs.S3FileSystem(region=region, retry_strategy=retries, connect_timeout=5, request_timeout=30, **kw),
+                f"{u.netloc}{u.path}".rstrip("/"))
     return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
 
 

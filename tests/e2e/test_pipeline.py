@@ -74,7 +74,7 @@ def test_logs_to_served_model(tiny_model_dir, mlflow_server, ray_local, tmp_path
     assert run.data.metrics["calibration/threshold"] == meta["threshold"]
 
     report = evaluate(cfg, str(folder), run_id=tr.run_id, out_dir=str(tmp_path / "eval"), progress=lambda m: None)
-    assert set(report["models"]) == {"model", "always_ask", "never_ask", "base_model"}
+    assert set(report["models"]) == {"model", "always_ask", "never_ask", "lexical", "base_model"}
     assert report["models"]["always_ask"]["metrics"]["decision"]["recall"] == 1.0
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["n"] == report["n"]
     run = client.get_run(tr.run_id)

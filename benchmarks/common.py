@@ -1,0 +1,94 @@
+"""Shared bits of the benchmark scripts: machine description, result files, memory sampling."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+    import psutil
+
+    info = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # pragma: no cover - torch is a dependency
+        pass
+    try:
+        import ray
+
+        info["ray"] = ray.__version__
+    except Exception:  # pragma: no cover
+        pass
+    return info
+
+
+def write_result(name: str, data: dict, out: str | Path | None = None) -> Path:
+    path = Path(out) if out else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": name, "machine": machine_info(), **data}, indent=2) + "\n")
+    return path
+
+
+class PeakMemory:
+    """Samples the RSS of this process and of its descendant Ray worker processes.
+
+    ``driver_peak_mib``: this process. ``workers_peak_mib``: the largest sum over Ray worker
+    processes (``ray::`` in their name) seen at one sample; ``worker_max_mib``: the largest single one.
+    """
+
+    def __init__(self, interval: float = 0.2):
+        self.interval = interval
+        self.driver_peak = self.workers_peak = self.worker_max = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.is_set():
+            try:
+                self.driver_peak = max(self.driver_peak, me.memory_info().rss)
+                total = 0
+                for p in me.children(recursive=True):
+                    try:
+                        if p.name().startswith("ray::") or "ray::" in " ".join(p.cmdline()[:1]):
+                            rss = p.memory_info().rss
+                            total += rss
+                            self.worker_max = max(self.worker_max, rss)
+                    except (psutil.NoSuchProcess, psutil.AccessDenied):
+                        continue
+                self.workers_peak = max(self.workers_peak, total)
+            except Exception:
+                pass
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def result(self) -> dict:
+        mib = 2**20
+        return {"driver_peak_mib": round(self.driver_peak / mib, 1), "workers_peak_mib": round(self.workers_peak / mib, 1),
+                "worker_max_mib": round(self.worker_max / mib, 1)}

@@ -1,0 +1,228 @@
+"""Data-job benchmark: throughput, memory as input grows, packing efficiency. Results as JSON.
+
+    .venv/bin/python benchmarks/data/bench_data.py                    # defaults: 2000 conversations
+    .venv/bin/python benchmarks/data/bench_data.py --conversations 500 --skip-memory
+
+1. **Throughput** (conversations/s) of ``clarifier.data.pipeline.prepare`` on a local Ray with 1 and
+   2 tokenising workers, against a single-process pandas/json implementation of the same transform (parse and
+   validate each line, split by conversation, deduplicate, tokenise, write Parquet per split) on the
+   same input; ratios in the same run. Ray start-up is outside the timed region; the tokenizer is
+   the real SmolLM2-135M-Instruct one.
+2. **Peak memory** of the driver and of the Ray workers for the input and for 10x the input
+   (streaming: both should stay roughly flat).
+3. **Packing efficiency**: share of non-padding tokens with packing (blocks of ``--block-length``)
+   vs padding to the longest example in micro-batches of ``--micro-batch`` (in shuffled order, as
+   training reads them), on the synthetic logs and on each public dataset (through the importers,
+   when ``../shared/data/public`` and the importers are present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import PeakMemory, write_result  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = ROOT.parent / "shared" / "data" / "public"
+
+
+def baseline_transform(files: list[Path], out: Path, tokenizer, cfg) -> dict:
+    """The data job's transform in one process with json + pandas (no Ray)."""
+    import pandas as pd
+
+    from clarifier.data.pipeline import dedup_key
+    from clarifier.data.split import assign_split
+    from clarifier.data.validate import parse_line
+    from clarifier.prompt import PromptOptions
+    from clarifier.train.objective import SegmentWeights, encode_example
+
+    d = cfg.data
+    rows, quarantined = [], 0
+    for f in files:
+        for line_no, raw in enumerate(f.read_bytes().split(b"\n"), start=1):
+            if not raw.strip():
+                continue
+            examples, q = parse_line(raw, str(f), line_no, d.max_turn_chars)
+            if q is not None:
+                quarantined += 1
+                continue
+            for ex in examples:
+                rows.append({"source": str(f), "line": line_no, "ex": ex, "key": dedup_key(ex),
+                             "split": assign_split(ex.conversation_id, d.seed, d.split)})
+    df = pd.DataFrame(rows)
+    df = df.sort_values(["source", "line"]).drop_duplicates("key", keep="first")
+    weights = SegmentWeights(**cfg.train.loss_weights.model_dump())
+    opts = PromptOptions(max_prompt_tokens=cfg.model.max_prompt_tokens)
+    enc = [encode_example(ex, tokenizer, weights, opts, d.max_length) for ex in df["ex"]]
+    df["input_ids"] = [e["input_ids"] for e in enc]
+    df["labels"] = [e["labels"] for e in enc]
+    df["loss_weights"] = [e["loss_weights"] for e in enc]
+    df["segment_ids"] = [e["segment_ids"] for e in enc]
+    df["truncated"] = [e["truncated"] for e in enc]
+    df["example_json"] = [ex.model_dump_json() for ex in df["ex"]]
+    df = df[~df["truncated"]].drop(columns=["ex", "truncated"])
+    for split, part in df.groupby("split"):
+        (out / split).mkdir(parents=True, exist_ok=True)
+        part.to_parquet(out / split / "part-0.parquet", index=False)
+    return {"examples": int(len(df)), "quarantined": quarantined}
+
+
+def _time_pipeline(cfg, num_cpus: int) -> dict:
+    import ray
+
+    from clarifier.data.pipeline import prepare
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    try:
+        with PeakMemory() as mem:
+            t0 = time.perf_counter()
+            manifest = prepare(cfg, progress=lambda s: None)
+            seconds = time.perf_counter() - t0
+    finally:
+        ray.shutdown()
+    return {"seconds": round(seconds, 2), "examples": manifest["counts"]["kept"], **mem.result()}
+
+
+def _config(logs: Path, out: Path, base_model: str):
+    from clarifier.config import build_config
+
+    return build_config({}, [f"data.input={logs}", f"data.output={out}", f"model.base_model={base_model}",
+                             "data.max_length=768"])
+
+
+def throughput_and_memory(n: int, base_model: str, tmp: Path, skip_memory: bool, say) -> dict:
+    from clarifier.data.synthetic import write_logs
+    from clarifier.models import load_tokenizer, resolve_base_model
+
+    logs = tmp / f"logs-{n}"
+    write_logs(str(logs), n, seed=1, shards=8)
+    files = sorted(logs.glob("*.jsonl"))
+    cfg = _config(logs, tmp / "out-ray", base_model)
+    tok = load_tokenizer(resolve_base_model(base_model))
+    say(f"baseline (single process) on {n} conversations")
+    with PeakMemory() as mem:
+        t0 = time.perf_counter()
+        base = baseline_transform(files, tmp / "out-baseline", tok, cfg)
+        base_s = time.perf_counter() - t0
+    result = {"conversations": n, "baseline": {"seconds": round(base_s, 2), **base, **mem.result()}}
+    # "N workers": the data job's tokeniser actor pool is sized cluster CPUs - 1, so a Ray
+    # instance with N + 1 logical CPUs runs N tokenising workers (the spare CPU keeps the read,
+    # shuffle and write tasks schedulable; with a single logical CPU the actor would starve them).
+    for workers in (1, 2):
+        say(f"Ray data job with {workers} worker(s) ({workers + 1} logical CPUs)")
+        result[f"ray_{workers}w"] = {"logical_cpus": workers + 1, **_time_pipeline(cfg, workers + 1)}
+    for k in ("baseline", "ray_1w", "ray_2w"):
+        result[k]["conversations_per_s"] = round(n / result[k]["seconds"], 1)
+    rate = {k: result[k]["conversations_per_s"] for k in ("baseline", "ray_1w", "ray_2w")}
+    result["ratios"] = {
+        "ray_1w_vs_baseline": round(rate["ray_1w"] / rate["baseline"], 3),
+        "ray_2w_vs_baseline": round(rate["ray_2w"] / rate["baseline"], 3),
+        "ray_2w_vs_1w": round(rate["ray_2w"] / rate["ray_1w"], 3),
+    }
+    if not skip_memory:
+        big = logs.parent / f"logs-{10 * n}"
+        write_logs(str(big), 10 * n, seed=2, shards=80)
+        say(f"Ray data job with 2 CPUs on 10x the input ({10 * n} conversations)")
+        r10 = _time_pipeline(_config(big, tmp / "out-10x", base_model), 3)
+        result["memory_10x"] = {
+            "input_x1": {k: result["ray_2w"][k] for k in ("driver_peak_mib", "workers_peak_mib", "worker_max_mib")},
+            "input_x10": {k: r10[k] for k in ("driver_peak_mib", "workers_peak_mib", "worker_max_mib")},
+            "driver_peak_ratio_x10_vs_x1": round(r10["driver_peak_mib"] / max(result["ray_2w"]["driver_peak_mib"], 1e-9), 3),
+            "workers_peak_ratio_x10_vs_x1": round(r10["workers_peak_mib"] / max(result["ray_2w"]["workers_peak_mib"], 1e-9), 3),
+            "seconds_x10": r10["seconds"],
+        }
+    return result
+
+
+def _packing(examples, tokenizer, cfg, block_length: int, micro_batch: int, seed: int = 0) -> dict:
+    from clarifier.data.packing import efficiency, pack_sequences, padding_slots
+    from clarifier.prompt import PromptOptions
+    from clarifier.train.objective import SegmentWeights, encode_example
+
+    opts = PromptOptions(max_prompt_tokens=cfg.model.max_prompt_tokens)
+    encs = [encode_example(ex, tokenizer, SegmentWeights(), opts, block_length) for ex in examples]
+    encs = [dict(e, id=str(k)) for k, e in enumerate(encs) if not e["truncated"]]
+    random.Random(seed).shuffle(encs)
+    lengths = [len(e["input_ids"]) for e in encs]
+    tokens = sum(lengths)
+    blocks = []
+    for s in range(0, len(encs), 1024):  # the data job packs per batch of 1024 rows
+        blocks += pack_sequences(encs[s : s + 1024], block_length, pad_id=0)
+    return {
+        "examples": len(encs),
+        "mean_tokens": round(tokens / max(len(encs), 1), 1),
+        "padding_efficiency": round(efficiency(tokens, padding_slots(lengths, micro_batch)), 4),
+        "packing_efficiency": round(efficiency(tokens, len(blocks) * block_length), 4),
+        "blocks": len(blocks),
+    }
+
+
+def packing_efficiency(base_model: str, block_length: int, micro_batch: int, say, max_examples: int) -> dict:
+    from clarifier.config import build_config
+    from clarifier.data.synthetic import generate_conversations
+    from clarifier.models import load_tokenizer, resolve_base_model
+    from clarifier.schema import ConversationLog
+
+    cfg = build_config({})
+    tok = load_tokenizer(resolve_base_model(base_model))
+    out: dict = {"block_length": block_length, "micro_batch_size": micro_batch, "datasets": {}}
+    synth = [e for c in generate_conversations(600, seed=3) for e in ConversationLog.model_validate(c).explode()]
+    out["datasets"]["synthetic"] = _packing(synth[:max_examples], tok, cfg, block_length, micro_batch)
+    try:
+        from clarifier.data import importers
+    except ImportError:
+        out["public"] = "skipped: clarifier.data.importers not available"
+        return out
+    if not SHARED.is_dir():
+        out["public"] = f"skipped: {SHARED} not found"
+        return out
+    for name in importers.available_importers():
+        say(f"packing efficiency on {name}")
+        try:
+            result = importers.import_dataset(name, SHARED / name)
+        except Exception as exc:  # report, keep going
+            out["datasets"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        exs = list(result.examples)[:max_examples]
+        out["datasets"][name] = _packing(exs, tok, cfg, block_length, micro_batch)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--conversations", type=int, default=2000)
+    ap.add_argument("--base-model", default="smollm2-135m-instruct")
+    ap.add_argument("--block-length", type=int, default=1024)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--max-packing-examples", type=int, default=3000)
+    ap.add_argument("--skip-memory", action="store_true", help="Skip the 10x-input memory run.")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--out", default=None, help="Result file (default benchmarks/results/data.json).")
+    args = ap.parse_args()
+
+    def say(msg: str) -> None:
+        print(f"[bench-data] {msg}", flush=True)
+
+    result: dict = {"params": vars(args)}
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
+        if not args.skip_throughput:
+            result["throughput"] = throughput_and_memory(args.conversations, args.base_model, Path(tmp),
+                                                         args.skip_memory, say)
+    result["packing"] = packing_efficiency(args.base_model, args.block_length, args.micro_batch, say,
+                                           args.max_packing_examples)
+    path = write_result("data", result, args.out)
+    print(json.dumps({k: v for k, v in result.items() if k != "params"}, indent=2))
+    say(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

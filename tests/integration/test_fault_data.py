@@ -1,0 +1,103 @@
+"""Fault: the S3-compatible store goes away in the middle of a data job.
+
+The job retries (the S3 client's standard retry strategy, then Ray Data's own retries of IO errors
+with exponential backoff: ten attempts, up to 32 s apart, about three minutes here), then fails with a ``DataJobError`` naming input and output; no manifest is written so
+readers refuse the half-written output; once the store is back a rerun completes and its output is
+identical to that of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import pyarrow.dataset as pads
+import pytest
+
+from clarifier import storage
+from clarifier.config import build_config
+from clarifier.data.pipeline import DataJobError, prepare, read_manifest
+from clarifier.data.synthetic import write_logs
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def own_s3(monkeypatch):
+    """A moto S3 server of this test's own, which the test can stop and restart on the same port."""
+    from moto.server import ThreadedMotoServer
+
+    from clarifier.services import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+                 "AWS_ENDPOINT_URL": url, "AWS_ENDPOINT_URL_S3": url, "CLARIFIER_S3_MAX_ATTEMPTS": "3"}.items():
+        monkeypatch.setenv(k, v)
+    state = {"server": ThreadedMotoServer(ip_address="127.0.0.1", port=port)}
+    state["server"].start()
+
+    def stop():
+        state["server"].stop()
+
+    def start():
+        state["server"] = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+        state["server"].start()
+
+    yield {"url": url, "stop": stop, "start": start}
+    state["server"].stop()
+
+
+@pytest.fixture
+def ray_local():
+    import ray
+
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    yield ray
+    ray.shutdown()
+
+
+def _rows(uri: str, split: str) -> list[dict]:
+    fs, path = storage.filesystem(storage.join(uri, split))
+    t = pads.dataset(path, filesystem=fs, format="parquet").to_table(
+        columns=["id", "split", "example_json", "input_ids", "labels"])
+    return sorted(t.to_pylist(), key=lambda r: r["id"])
+
+
+@pytest.mark.timeout(420)
+def test_store_outage_fails_cleanly_and_rerun_matches(own_s3, ray_local, tiny_model_dir):
+    import boto3
+
+    boto3.client("s3", endpoint_url=own_s3["url"]).create_bucket(Bucket="faults")
+    base = "s3://faults"
+    write_logs(f"{base}/logs", 24, seed=4, shards=3)
+
+    def cfg(out):
+        return build_config({}, [f"data.input={base}/logs", f"data.output={base}/{out}",
+                                 f"model.base_model={tiny_model_dir}"])
+
+    reference = prepare(cfg("reference"), progress=lambda s: None)
+
+    seen: list[str] = []
+
+    def progress(msg: str) -> None:
+        seen.append(msg)
+        if msg.startswith("[data] read "):  # input parsed; the store dies before anything is written
+            own_s3["stop"]()
+
+    with pytest.raises(DataJobError) as info:
+        prepare(cfg("faulty"), progress=progress)
+    msg = str(info.value)
+    assert f"{base}/logs" in msg and f"{base}/faulty" in msg and "no manifest" in msg
+    assert any(m.startswith("[data] read ") for m in seen)
+
+    own_s3["start"]()
+    with pytest.raises(FileNotFoundError, match="has not finished"):
+        read_manifest(f"{base}/faulty")  # nothing is marked complete
+
+    rerun = prepare(cfg("faulty"), progress=lambda s: None)
+    assert rerun["counts"] == reference["counts"]
+    assert read_manifest(f"{base}/faulty")["counts"] == reference["counts"]
+    for split, c in reference["counts"]["splits"].items():
+        if c["examples"]:
+            assert _rows(f"{base}/faulty", split) == _rows(f"{base}/reference", split)
