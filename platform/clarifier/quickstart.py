@@ -124,11 +124,13 @@ def example_requests(cfg: ClarifierConfig, n: int = N_EXAMPLE_REQUESTS) -> list[
 def _serve_examples(cfg: ClarifierConfig, uri: str, progress) -> list[dict]:
     from .client import ClarifierClient
     from .serving.app import run_local
+    from .serving.auth import load_api_keys
 
     serve_cfg = cfg.serve.model_copy(update={"model_uri": uri})
     url = run_local(serve_cfg, tracking_uri=cfg.tracking.tracking_uri)
     progress(f"serving at {url}/v1/clarify (held-out test turns)")
-    client = ClarifierClient(url, timeout=120)
+    keys = load_api_keys(serve_cfg.api_keys_file)  # when the service has keys, use one of them
+    client = ClarifierClient(url, api_key=keys[0] if keys else None, timeout=120)
     answers = []
     for req, gold in example_requests(cfg):
         resp = client.clarify(req["history"], req["query"], req["passages"])

@@ -6,10 +6,12 @@ import os
 
 from .services import mlflow_env
 
-FORWARDED = ("MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
-             "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "CLARIFIER_CACHE",
-             "CLARIFIER_S3_MAX_ATTEMPTS",
-             "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+# Non-secret settings that workers need, passed in the job's runtime_env. Credentials are *not*
+# among them: Ray writes runtime_env (env_vars included) to its logs. A local Ray started here
+# inherits this process's environment (credentials included) without that; on a cluster the
+# nodes have their own (IAM role, Kubernetes secret, the environment of `ray start`).
+FORWARDED = ("MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+             "CLARIFIER_CACHE", "CLARIFIER_S3_MAX_ATTEMPTS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def worker_env() -> dict[str, str]:

@@ -88,3 +88,14 @@ def test_job_configs_for_one_cpu_box_one_gpu_and_a_gpu_cluster():
     assert cluster.checkpoint_every > 0 and cluster.run_name is None  # a new run per job unless named to resume
     ds = deepspeed_config(load_config(configs / "gpu-1.yaml", ["train.offload_optimizer=true"]), 10)
     assert ds["bf16"]["enabled"] and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_no_warmup_is_one_flat_step_deepspeed_accepts():
+    from clarifier.config import build_config
+
+    for over, steps in ((["train.warmup_steps=0"], 10), (["train.warmup_steps=5"], 1)):
+        sched = deepspeed_config(build_config({}, over), steps)["scheduler"]["params"]
+        assert sched["warmup_num_steps"] == 1  # DeepSpeed refuses 0
+        assert sched["warmup_min_lr"] == sched["warmup_max_lr"]  # so the LR starts at its peak
+    sched = deepspeed_config(build_config({}, ["train.warmup_steps=3"]), 10)["scheduler"]["params"]
+    assert sched["warmup_num_steps"] == 3 and sched["warmup_min_lr"] == 0.0

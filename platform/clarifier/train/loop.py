@@ -63,6 +63,9 @@ def deepspeed_config(cfg: ClarifierConfig, total_steps: int) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": bool(t.use_gpu)}
     if t.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": bool(t.use_gpu)}
+    warmup = min(t.warmup_steps, max(total_steps - 1, 0))
+    # DeepSpeed refuses warmup_num_steps=0: "no warmup" is one warmup step from lr to lr.
+    warmup_min_lr = 0.0 if warmup > 0 else t.learning_rate
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
@@ -70,8 +73,8 @@ def deepspeed_config(cfg: ClarifierConfig, total_steps: int) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": t.learning_rate, "weight_decay": t.weight_decay,
                                                    "betas": [0.9, 0.999], "eps": 1e-8}},
         "scheduler": {"type": "WarmupDecayLR", "params": {
-            "warmup_min_lr": 0.0, "warmup_max_lr": t.learning_rate,
-            "warmup_num_steps": min(t.warmup_steps, max(total_steps - 1, 0)), "total_num_steps": max(total_steps, 1),
+            "warmup_min_lr": warmup_min_lr, "warmup_max_lr": t.learning_rate,
+            "warmup_num_steps": max(warmup, 1), "total_num_steps": max(total_steps, 1),
             "warmup_type": "linear"}},
         "zero_optimization": zero,
         "bf16": {"enabled": bool(t.use_gpu)},
