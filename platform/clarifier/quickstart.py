@@ -48,7 +48,8 @@ def run_quickstart(workdir: str | Path = ".clarifier/quickstart", config: str | 
         from .runtime import init_ray
 
         ray = init_ray()
-        progress(f"Ray: {ray.cluster_resources().get('CPU', 0):.0f} CPUs")
+        dash = getattr(getattr(ray._private.worker.global_worker, "node", None), "webui_url", None)
+        progress(f"Ray: {ray.cluster_resources().get('CPU', 0):.0f} CPUs" + (f"  (dashboard: http://{dash})" if dash else ""))
         return _pipeline(cfg, store, workdir, stage, progress, t_all)
     finally:
         _shutdown(progress)

@@ -62,7 +62,9 @@ def init_ray(num_cpus: int | None = None, quiet: bool = True):
     else:
         # address="local": always a fresh instance of our own, never a cluster that some other
         # `ray start --head` on this machine happens to have left behind.
-        ray.init(address="local", num_cpus=num_cpus or local_cpus(), include_dashboard=False, **kw)
+        # The dashboard also serves Ray's State API, which Ray Train V2's placement-group cleaner
+        # polls every second (without it: a warning a second for the whole training run).
+        ray.init(address="local", num_cpus=num_cpus or local_cpus(), include_dashboard=True, **kw)
     if quiet:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
