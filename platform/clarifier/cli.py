@@ -177,12 +177,20 @@ def eval_cmd(model: str = typer.Option(..., help="models:/name@alias, runs:/<id>
              data: Optional[str] = typer.Option(None, help="Data-job output folder or evaluation-set JSONL (default data.output)."),
              run_id: Optional[str] = typer.Option(None, help="Log the report to this MLflow run."),
              out: Optional[Path] = typer.Option(None, help="Folder for report.json / report.md / plots."),
+             compare: Optional[list[str]] = typer.Option(
+                 None, help="NAME=URI: another model in the same report (repeatable), e.g. pipeline=runs:/<id>/adapter."),
              config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
              installed_code: bool = InstalledCodeOpt, overrides: Optional[list[str]] = OverridesArg):
     """Evaluate a model and the baselines; write JSON, Markdown and plots."""
     from .evaluation.evaluate import evaluate
 
     cfg = _cfg(config, overrides)
+    for item in compare or []:
+        name, sep, uri = item.partition("=")
+        if not sep or not name.strip() or not uri.strip():
+            console.print(f"[red]--compare {item!r}: expected NAME=URI[/red]")
+            raise typer.Exit(2)
+        cfg.eval.compare = {**cfg.eval.compare, name.strip(): uri.strip()}
     if submit:
         from .submit import _absolute
 

@@ -204,6 +204,9 @@ class EvalConfig(_Strict):
     batch_size: int = Field(8, ge=1)
     baselines: list[Literal["always_ask", "never_ask", "lexical", "base_model"]] = [
         "always_ask", "never_ask", "lexical", "base_model"]
+    compare: dict[str, str] = Field(
+        default_factory=dict,
+        description="More models in the same report, name -> URI (e.g. {pipeline: models:/clarifier-pipeline/3}).")
     engine: Literal["local", "ray"] = Field(
         "local", description="local: score/generate in this process; ray: Ray Data map_batches over a pool of scorer actors.")
     ray_actors: int = Field(1, ge=1, description="eval.engine=ray: scorer actors (each loads the model once).")

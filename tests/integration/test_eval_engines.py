@@ -123,3 +123,22 @@ def test_eval_report_local_and_ray_agree_and_carry_baselines_similarity_skips(
     for entry in rj["models"].values():
         assert "semantic_similarity" in entry["metrics"]["question"]
     assert rj["data_fingerprint"] == load_eval_data(str(eval_file)).fingerprint
+
+
+@pytest.mark.timeout(300)
+def test_compared_models_get_rows_of_their_own(adapter, eval_file, tmp_path):
+    """eval.compare (CLI --compare NAME=URI) puts e.g. the pipeline variant in the same report."""
+    from clarifier.config import build_config
+    from clarifier.evaluation.evaluate import evaluate
+
+    cfg = build_config({"eval": {"compare": {"pipeline": str(adapter)}}},
+                       [f"eval.batch_size={BATCH}", "eval.max_new_tokens=8", "eval.baselines=[always_ask]",
+                        "eval.semantic_encoder=null"])
+    rep = evaluate(cfg, str(adapter), str(eval_file), out_dir=str(tmp_path), progress=lambda m: None)
+    assert list(rep["models"])[:2] == ["model", "pipeline"]
+    assert rep["models"]["pipeline"]["metrics"] == rep["models"]["model"]["metrics"]  # same adapter, same numbers
+    assert rep["models"]["pipeline"]["model_uri"] == str(adapter)
+    assert "| pipeline |" in (tmp_path / "report.md").read_text()
+    with pytest.raises(ValueError, match="taken by a built-in row"):
+        evaluate(build_config({"eval": {"compare": {"lexical": str(adapter)}}}), str(adapter), str(eval_file),
+                 out_dir=str(tmp_path / "x"), progress=lambda m: None)

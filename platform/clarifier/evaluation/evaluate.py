@@ -187,6 +187,19 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
                 "grounding_turns": list(p.grounding_turns), "valid": p.valid}
                for e, p in list(zip(examples, preds))[:20]]
     del engine
+    for name, uri in cfg.eval.compare.items():  # e.g. the pipeline variant, beside the joint model
+        if name in ("model", "always_ask", "never_ask", "lexical", "base_model"):
+            raise ValueError(f"eval.compare name {name!r} is taken by a built-in row; pick another")
+        other = resolve_model_uri(uri, tracking_uri=tracking_uri)
+        other_engine = None
+        if cfg.eval.engine == "local":
+            other_engine = ClarifierEngine.from_folder(other.folder, version=other.version,
+                                                       cache_dir=cfg.model.cache_dir, max_new_tokens=cfg.eval.max_new_tokens)
+        op = _predict(cfg, {**spec, "model_uri": uri}, examples, engine=other_engine, progress=progress, bar=bar(name))
+        del other_engine
+        models[name] = {"metrics": evaluate_predictions(examples, op, similarity_fn=sim_fn),
+                        "scores": [p.confidence for p in op], "gold": gold, "model_uri": uri,
+                        "model_version": other.version}
     baselines = list(dict.fromkeys(["always_ask", "never_ask", "lexical", *cfg.eval.baselines]))
     for name in baselines:
         if name == "base_model":
