@@ -32,7 +32,9 @@ def _own_pids(marker: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def ray_head():
+def ray_head(s3_server):
+    """A real `ray start --head`; like a cluster node it has its own S3 endpoint and credentials
+    (from the environment it was started in), which submitted jobs use without shipping them."""
     from clarifier.services import free_port
 
     port, dash = free_port(), free_port()
@@ -138,3 +140,32 @@ def test_submit_refuses_a_ray_client_address_and_bad_config_before_submitting(tm
     assert res.exit_code == 2 and "dashboard address" in res.output
     res = CliRunner().invoke(app, ["train", "--submit", "http://127.0.0.1:9", "train.max_stepz=3"])
     assert res.exit_code == 2 and "train.max_stepz" in res.output
+
+
+@pytest.mark.timeout(600)
+def test_jobs_entrypoint_under_ray_job_submit_on_s3(ray_head, tiny_model_dir, s3_bucket):
+    """The documented `ray job submit --working-dir . -- python jobs/prepare_data.py ...` on s3:// paths."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from clarifier import storage
+    from clarifier.data.synthetic import write_logs
+
+    repo = Path(__file__).resolve().parents[2]
+    base = f"s3://{s3_bucket}"
+    write_logs(f"{base}/logs", 16, seed=2, shards=2)
+    client = JobSubmissionClient(ray_head)
+    job = client.submit_job(
+        entrypoint=(f"python jobs/prepare_data.py -c jobs/configs/quickstart.yaml data.input={base}/logs "
+                    f"data.output={base}/data model.base_model={tiny_model_dir}"),
+        runtime_env={"working_dir": str(repo), "excludes": [".venv", ".git", ".clarifier", "benchmarks/results"]},
+    )
+    deadline = time.time() + 540
+    while client.get_job_status(job) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+        assert time.time() < deadline, client.get_job_logs(job)[-3000:]
+        time.sleep(2)
+    logs = client.get_job_logs(job)
+    assert client.get_job_status(job) == JobStatus.SUCCEEDED, logs[-3000:]
+    manifest = json.loads(storage.read_text(f"{base}/data/manifest.json"))
+    assert manifest["counts"]["rows_read"] == 16 and all(manifest["invariants"].values())
+    assert all(i.startswith(f"{base}/logs/") for i in manifest["inputs"])
+    assert "[data] wrote" in logs
