@@ -81,3 +81,22 @@ def mlflow_server(tmp_path_factory):
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = old
+
+
+@pytest.fixture(scope="module")
+def ray_local(request, s3_server, mlflow_server):
+    """A local Ray instance of this module's own (``RAY_CPUS`` in the module, default 4 logical CPUs).
+
+    It starts after the S3 and MLflow fixtures so that its processes inherit their endpoints and
+    credentials from this process's environment, and always as a fresh instance
+    (``address="local"``), never joining a ``ray start`` head that another test left running.
+    """
+    import ray
+
+    from clarifier.runtime import init_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    init_ray(num_cpus=getattr(request.module, "RAY_CPUS", 4))
+    yield ray
+    ray.shutdown()
