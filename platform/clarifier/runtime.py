@@ -10,8 +10,10 @@ from .services import mlflow_env
 # among them: Ray writes runtime_env (env_vars included) to its logs. A local Ray started here
 # inherits this process's environment (credentials included) without that; on a cluster the
 # nodes have their own (IAM role, Kubernetes secret, the environment of `ray start`).
-FORWARDED = ("MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
-             "CLARIFIER_CACHE", "CLARIFIER_S3_MAX_ATTEMPTS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+# The one list: Ray workers (here), submitted jobs (submit.py) and Serve replicas (serving/app.py).
+FORWARDED = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL",
+             "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "CLARIFIER_CACHE", "CLARIFIER_S3_MAX_ATTEMPTS",
+             "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def worker_env() -> dict[str, str]:

@@ -34,11 +34,10 @@ from typing import Callable
 
 from . import storage
 from .config import ClarifierConfig, dump_config
+from .runtime import FORWARDED
 
 JOB_CONFIG = "clarifier-job.yaml"
-FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                 "AWS_REGION", "AWS_DEFAULT_REGION", "CLARIFIER_CACHE", "CLARIFIER_S3_MAX_ATTEMPTS",
-                 "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+FORWARDED_ENV = FORWARDED  # non-secret settings only (see clarifier.runtime)
 _SECRET_WORDS = ("SECRET", "PASSWORD", "TOKEN", "ACCESS_KEY", "CREDENTIAL")
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 

@@ -52,6 +52,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from ..config import ConfigError, ServeConfig
 from ..schema import ClarifyRequest, ClarifyResponse
+from ..runtime import FORWARDED
 from .auth import ENV_VAR as API_KEYS_ENV
 from .auth import HEADER as API_KEY_HEADER
 from .auth import ApiKeyAuth, key_digests, load_api_keys, presented_key
@@ -67,16 +68,7 @@ RETRY_AFTER_S = 1
 
 # Non-secret variables forwarded to replicas when set on the driver (credentials are not: they
 # belong to the cluster's own environment / instance profile; API keys never leave the builder).
-FORWARDED_ENV = (
-    "MLFLOW_TRACKING_URI",
-    "MLFLOW_S3_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "AWS_REGION",
-    "AWS_DEFAULT_REGION",
-    "CLARIFIER_CACHE",
-    "HF_HOME",
-)
+FORWARDED_ENV = FORWARDED  # the one list of non-secret settings, see clarifier.runtime
 
 
 class ServingError(RuntimeError):
