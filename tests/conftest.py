@@ -100,3 +100,47 @@ def ray_local(request, s3_server, mlflow_server):
     init_ray(num_cpus=getattr(request.module, "RAY_CPUS", 4))
     yield ray
     ray.shutdown()
+
+
+# --- reliability records ----------------------------------------------------------------------
+# Fault tests record what they injected and what happened; the table is printed at the end of the
+# test session and, when CLARIFIER_RELIABILITY_LOG names a file, appended there as JSON lines
+# (benchmarks/reliability/report.py runs the fault tests and renders that file).
+RELIABILITY_FIELDS = ("fault", "injected", "at_risk", "lost", "recovered", "time_to_recover_s")
+_RELIABILITY_RECORDS: list[dict] = []
+
+
+@pytest.fixture
+def reliability(request):
+    """``reliability(fault=..., injected=..., at_risk=..., lost=..., recovered=..., time_to_recover_s=...)``.
+
+    ``at_risk``/``lost``/``recovered`` are counts with their unit in the text (e.g. "120 requests"),
+    ``time_to_recover_s`` a float or None when nothing had to recover.
+    """
+    import json
+    import time
+
+    def record(**fields):
+        missing = [f for f in RELIABILITY_FIELDS if f not in fields]
+        if missing:
+            raise TypeError(f"reliability record lacks {missing}")
+        rec = {**fields, "test": request.node.nodeid, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        _RELIABILITY_RECORDS.append(rec)
+        path = os.environ.get("CLARIFIER_RELIABILITY_LOG")
+        if path:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+        return rec
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _RELIABILITY_RECORDS:
+        return
+    tr = terminalreporter
+    tr.section("reliability: faults injected and what was lost")
+    for r in _RELIABILITY_RECORDS:
+        t = r["time_to_recover_s"]
+        tr.write_line(f"{r['fault']}: injected {r['injected']}; at risk {r['at_risk']}; lost {r['lost']}; "
+                      f"recovered {r['recovered']}; time to recover {'-' if t is None else f'{t:.1f} s'}")
