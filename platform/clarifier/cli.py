@@ -21,7 +21,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 data_app = typer.Typer(no_args_is_help=True, help="Data jobs: synthetic logs, public-dataset import, preprocessing.")
 models_app = typer.Typer(no_args_is_help=True, help="MLflow model registry: register, promote (gated), rollback, list, diff.")
 app.add_typer(data_app, name="data")
+recipe_app = typer.Typer(no_args_is_help=True, help="Named recipes (jobs/recipes/) and their comparison benchmarks (benchmarks/recipe/).")
 app.add_typer(models_app, name="models")
+app.add_typer(recipe_app, name="recipe")
 console = Console(highlight=False, soft_wrap=True)
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (see jobs/configs/).")
@@ -157,19 +159,43 @@ def data_prepare(config: Optional[Path] = ConfigOpt,
 
 @app.command()
 def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
-          installed_code: bool = InstalledCodeOpt, overrides: Optional[list[str]] = OverridesArg):
+          installed_code: bool = InstalledCodeOpt,
+          recipe: Optional[str] = typer.Option(None, "--recipe", help="A named recipe (jobs/recipes/<name>.yaml) or its file: "
+                                               "used as the config, and implies --prepare."),
+          prepare: bool = typer.Option(False, "--prepare", help="Run the data job first, unless data.output already holds "
+                                       "this data config's output."),
+          overrides: Optional[list[str]] = OverridesArg):
     """Ray Train job: LoRA fine-tuning on the joint objective with DeepSpeed, tracked in MLflow.
 
     Rerunning with the same train.run_name (and storage.root) resumes from the last checkpoint."""
     from .runtime import init_ray
     from .train.trainer import train as run_train
 
+    if recipe:
+        if config:
+            console.print("[red]--recipe and --config both name a config; pass one[/red]")
+            raise typer.Exit(2)
+        from .recipes import recipe_path
+
+        try:
+            config = recipe_path(recipe)
+        except ConfigError as exc:
+            console.print(f"[red]config error:[/red] {escape(str(exc))}")
+            raise typer.Exit(2)
+        prepare = True
+        _say(f"[recipe] {recipe}: {config}")
     cfg = _cfg(config, overrides)
     if submit:
-        _submit(submit, ["train"], cfg, [], installed_code)
+        _submit(submit, ["train"], cfg, ["--prepare"] if prepare else [], installed_code)
     init_ray()
+    if prepare:
+        from . import storage
+        from .recipes import prepare_if_needed
+
+        storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
+        prepare_if_needed(cfg, progress=_say)
     res = run_train(cfg, progress=_say)
-    _say(json.dumps({"run_id": res.run_id, "model_dir": res.model_dir, "steps": res.steps}))
+    _say(json.dumps({"run_id": res.run_id, "model_dir": res.model_dir, "steps": res.steps, "tracking": res.tracking}))
 
 
 @app.command("eval")
@@ -365,6 +391,32 @@ def _as_float(v):
         return None if v in (None, "") else float(v)
     except (TypeError, ValueError):
         return None
+
+
+@recipe_app.command("list")
+def recipe_list():
+    """The named recipes and their benchmark plans."""
+    from .recipes import PLANS_DIR, available_recipes, recipe_path
+
+    for name in available_recipes():
+        plan = PLANS_DIR / f"{name}.yaml"
+        _say(f"{name}: {recipe_path(name)}" + (f"  (benchmark plan: {plan})" if plan.is_file() else ""))
+
+
+@recipe_app.command("benchmark")
+def recipe_benchmark(plan: str = typer.Argument(..., help="Plan name (benchmarks/recipe/<name>.yaml) or file."),
+                     out: Optional[Path] = typer.Option(None, help="Output path without suffix; default benchmarks/results/recipe-<recipe>."),
+                     workdir: Optional[Path] = typer.Option(None, help="Data, checkpoints and the local MLflow store; default .clarifier/recipe-benchmark/<recipe>."),
+                     overrides: Optional[list[str]] = OverridesArg):
+    """Train and evaluate every row of the recipe's comparison table (baselines, zero-shot, variants, ablations,
+    leave-one-dataset-out) with the platform's own jobs; writes <out>.json and <out>.md."""
+    from .recipes.benchmark import run_benchmark
+
+    try:
+        run_benchmark(plan, out=out, workdir=workdir, overrides=overrides or [], progress=_say)
+    except ConfigError as exc:
+        console.print(f"[red]config error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
 
 
 @app.command()

@@ -102,6 +102,20 @@ class LabellingConfig(_Strict):
         return v
 
 
+class SourceConfig(_Strict):
+    """One dataset the data job imports into ``data.input`` before it runs (see clarifier.data.sources)."""
+
+    importer: str = Field(..., description="Importer name (clariq, pacific, abgcoqa, claqua, a plugin's) or 'synthetic'.")
+    name: str | None = Field(None, description="Name of this source in meta.source, counts and leave-one-out; default: the importer name.")
+    src: str = Field("", description="The dataset's folder (importers); unused for 'synthetic'.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Importer options; synthetic: {conversations: N}.")
+    max_examples: int | None = Field(None, ge=1, description="Keep at most this many examples, whole conversations in a seeded random order; the rest are counted as dropped_by_cap.")
+
+    @property
+    def source_name(self) -> str:
+        return self.name or self.importer
+
+
 class DataConfig(_Strict):
     input: str = Field("", description="Folder, file or s3:// prefix of conversation logs / examples.")
     output: str = Field("", description="Where the data job writes Parquet splits and its manifest.")
@@ -115,6 +129,18 @@ class DataConfig(_Strict):
     silver_grounding: SilverGroundingConfig = SilverGroundingConfig()
     packing: PackingConfig = PackingConfig()
     labelling: LabellingConfig = LabellingConfig()
+    sources: list[SourceConfig] = Field(
+        default_factory=list,
+        description="Datasets imported into data.input (which the data job then owns) before the job runs; empty = read data.input as it is.")
+
+    @field_validator("sources")
+    @classmethod
+    def _unique_sources(cls, v: list[SourceConfig]) -> list[SourceConfig]:
+        names = [s.source_name for s in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"source names must be unique; repeated: {dup} (set 'name' to tell them apart)")
+        return v
 
 
 class LoraConfig(_Strict):
@@ -161,6 +187,8 @@ class TrainConfig(_Strict):
     num_workers: int = Field(2, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = Field(1, gt=0)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="How Ray places the training workers' bundles: PACK (fewest nodes), SPREAD (across nodes, best effort), STRICT_PACK (one node), STRICT_SPREAD (each worker on a different node).")
     zero_stage: Literal[0, 1, 2, 3] = 2
     micro_batch_size: int = Field(4, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
@@ -283,6 +311,15 @@ class ServeConfig(_Strict):
 
 class TrackingConfig(_Strict):
     tracking_uri: str | None = Field(None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI.")
+    buffer_max_values: int = Field(
+        50_000, ge=1, description="Training: metric values held in memory while the MLflow server is unreachable "
+                                  "(sent when it returns); steps that do not fit are dropped and counted (tracking/lost_steps).")
+    request_timeout_s: int = Field(
+        10, ge=1, description="Training: timeout of one MLflow request from the logging worker (MLflow's own retries "
+                              "are off there; the tracker retries with backoff up to 10 s).")
+    flush_timeout_s: float = Field(
+        60, ge=0, description="Training: at the end, wait this long for an unreachable MLflow server before counting "
+                              "the metrics still buffered as lost.")
 
 
 class ClarifierConfig(_Strict):

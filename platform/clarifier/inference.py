@@ -128,7 +128,9 @@ class ClarifierEngine:
         texts = [self._prompt(h, q, p) + DECISION_PREFIX for h, q, p in items]
         with self._torch.inference_mode():
             enc = self._encode(texts)
-            logits = self.model(**enc).logits[:, -1, :]
+            # Only the last position's logits: with a large vocabulary (Gemma: 262k) the full
+            # [batch, length, vocab] tensor would cost most of the time and gigabytes of memory.
+            logits = self.model(**enc, logits_to_keep=1).logits[:, -1, :]
             pair = logits[:, [self.clarify_id, self.answer_id]].float()
             probs = self._torch.softmax(pair, dim=-1)[:, 0]
         return [float(x) for x in probs]

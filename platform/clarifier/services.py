@@ -69,7 +69,9 @@ def start_mlflow_server(root: str | Path, port: int | None = None, host: str = "
            "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts",
            "--host", host, "--port", str(port), "--workers", "1"]
     log_path = root / "mlflow-server.log"
-    env = {**os.environ, **mlflow_env()}
+    # MLflow's server-side job execution (GenAI jobs; unused here) starts a job runner and seven
+    # huey consumer processes: ~1 GiB and twice the start-up time on a small box. Off unless asked for.
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ, **mlflow_env()}
     log = open(log_path, "ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://{host}:{port}"

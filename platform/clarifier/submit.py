@@ -86,6 +86,11 @@ def portable_config(cfg: ClarifierConfig, progress: Callable[[str], None] = prin
     bm = cfg.model.base_model
     if Path(bm).expanduser().exists() and _absolute(bm) != bm:
         upd.setdefault("model", {})["base_model"] = _absolute(bm)
+    srcs = [s.model_dump() for s in cfg.data.sources]
+    for s in srcs:
+        if s["src"] and _absolute(s["src"]) != s["src"]:
+            s["src"] = _absolute(s["src"])
+            upd.setdefault("data", {})["sources"] = srcs
     if not upd:
         return cfg
     progress("[submit] local paths made absolute for the job: "

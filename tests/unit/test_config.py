@@ -25,6 +25,7 @@ def test_dotted_overrides_are_typed():
     ("trian.max_steps=3", "'trian.max_steps'"),
     ("train.max_steps=lots", "train.max_steps"),
     ("train.zero_stage=5", "train.zero_stage"),
+    ("train.placement_strategy=EVERYWHERE", "train.placement_strategy"),
     ("model.lora.r=0", "model.lora.r"),
     ("train.max_steps", "key.sub=value"),
     ("train.max_steps.x=1", "not a section"),
@@ -53,3 +54,14 @@ def test_missing_and_invalid_files(tmp_path):
 def test_flatten_gives_dotted_params():
     flat = flatten(build_config({}, ["train.max_steps=9"]))
     assert flat["train.max_steps"] == 9 and "model.lora.r" in flat
+
+
+def test_strict_spread_needs_a_node_per_worker():
+    from clarifier.train.trainer import check_placement
+
+    node = {"Alive": True, "Resources": {"CPU": 2.0}}
+    t = build_config({}, ["train.num_workers=2", "train.placement_strategy=STRICT_SPREAD"]).train
+    check_placement(t, [node, dict(node)])
+    with pytest.raises(ValueError, match="STRICT_SPREAD.*only 1 node"):
+        check_placement(t, [node, {"Alive": False, "Resources": {"CPU": 2.0}}, {"Alive": True, "Resources": {"CPU": 0.5}}])
+    check_placement(build_config({}, ["train.num_workers=2"]).train, [node])  # PACK: one node is fine

@@ -184,3 +184,77 @@ def test_ingress_metrics_classify_answers():
     assert got[("clarifier_invalid_outputs_total", ())] == 1
     assert got[("clarifier_requests_total", (("route", "clarify"), ("status", "200")))] == 1
     assert got[("clarifier_request_latency_seconds_count", (("route", "clarify"),))] == 1
+
+
+# ---- ingress: a model replica lost mid-request ------------------------------------------------------
+
+
+class _FakeMethod:
+    def __init__(self, outcomes: list):
+        self.outcomes, self.calls = outcomes, 0
+
+    async def _next(self, arg):
+        self.calls += 1
+        out = self.outcomes.pop(0)
+        if isinstance(out, BaseException):
+            raise out
+        return (out, arg)
+
+    def remote(self, arg):
+        return self._next(arg)
+
+
+def _fake_ingress(outcomes: list):
+    from types import SimpleNamespace
+
+    from clarifier.serving.metrics import IngressMetrics
+
+    method = _FakeMethod(outcomes)
+    return SimpleNamespace(model=SimpleNamespace(clarify=method), metrics=IngressMetrics(ray=False)), method
+
+
+def _lost(metrics, outcome: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text, _ = metrics.render()
+    for fam in text_string_to_metric_families(text.decode()):
+        for s in fam.samples:
+            if s.name == "clarifier_replica_lost_total" and s.labels == {"outcome": outcome}:
+                return s.value
+    return 0.0
+
+
+def test_ingress_resends_a_request_whose_model_replica_died():
+    import asyncio
+
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from clarifier.serving.app import ClarifierIngress
+
+    call_model = ClarifierIngress.func_or_class._call_model
+    ingress, method = _fake_ingress([ActorDiedError(), ActorUnavailableError("gone", None), "answer"])
+    assert asyncio.run(call_model(ingress, "clarify", "req")) == ("answer", "req")
+    assert method.calls == 3 and _lost(ingress.metrics, "retried") == 2
+
+    ingress, method = _fake_ingress([ActorDiedError()] * 3)  # retries exhausted: raised, counted
+    with pytest.raises(ActorDiedError):
+        asyncio.run(call_model(ingress, "clarify", "req"))
+    assert method.calls == 3 and _lost(ingress.metrics, "unavailable") == 1
+
+    ingress, method = _fake_ingress([RuntimeError("the model failed"), "unused"])  # not a lost replica
+    with pytest.raises(RuntimeError):
+        asyncio.run(call_model(ingress, "clarify", "req"))
+    assert method.calls == 1 and _lost(ingress.metrics, "retried") == 0
+
+
+def test_a_lost_replica_is_a_retryable_503_not_a_500():
+    import json
+
+    from ray.exceptions import ActorDiedError
+
+    from clarifier.serving.app import ClarifierIngress
+
+    ingress, _ = _fake_ingress([])
+    resp = ClarifierIngress.func_or_class._unavailable(ingress, ActorDiedError())
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert json.loads(resp.body)["detail"]["error"] == "unavailable"

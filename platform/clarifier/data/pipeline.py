@@ -423,6 +423,11 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
     if not d.formats:
         raise ValueError("data.formats is empty: list at least one of jsonl, jsonl.gz, parquet")
     suffixes = tuple(SUFFIXES[f] for f in d.formats)
+    sources = None
+    if d.sources:
+        from .sources import materialize_sources
+
+        sources = materialize_sources(d, progress)
     files = storage.list_files(d.input, suffixes)
     if not files:
         raise FileNotFoundError(f"no {'/'.join(suffixes)} files under {d.input}")
@@ -574,6 +579,7 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
         "columns": SPLIT_COLUMNS,
         "counts": counts,
         "invariants": invariants,
+        "sources": sources,
         "silver_grounding": silver,
         "packing": packing,
         "row_definition": (

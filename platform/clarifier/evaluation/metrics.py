@@ -239,6 +239,24 @@ def pick_threshold(gold: Sequence[bool], scores: Sequence[float], max_over_askin
     return max(best, key=lambda r: (-r["over_asking_rate"], r["threshold"]))["threshold"]
 
 
+OVER_ASKING_BUDGETS = (0.05, 0.10)
+
+
+def recall_at_over_asking(gold: Sequence[bool], scores: Sequence[float], budget: float) -> float | None:
+    """The best recall of any threshold whose over-asking rate (FP / clear turns) is <= ``budget``.
+
+    Threshold-free (an operating point on the test set itself, like AUROC): "if we may bother at
+    most 5% of clear turns, how many ambiguous turns can this score catch?". 0.0 when even the
+    highest score over-asks beyond the budget; None without both classes.
+    """
+    if budget < 0:
+        raise ValueError("budget must be >= 0")
+    if not any(gold) or all(gold):
+        return None
+    ok = [r["recall"] for r in threshold_sweep(gold, scores) if r["over_asking_rate"] <= budget]
+    return max(ok, default=0.0)
+
+
 # ---- question --------------------------------------------------------------------------------
 
 
@@ -361,6 +379,7 @@ def evaluate_predictions(
         "threshold": threshold,
         "decision": decision_metrics(gold, decided),
         "auroc": auroc(gold, scores),
+        "recall_at_over_asking": {f"{b:g}": recall_at_over_asking(gold, scores, b) for b in OVER_ASKING_BUDGETS},
         "ece": expected_calibration_error(gold, scores),
         "question": question,
         "grounding": grounding_metrics(

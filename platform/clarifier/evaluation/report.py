@@ -30,6 +30,8 @@ COLUMNS: list[tuple[str, tuple[str, ...]]] = [
     ("Over-ask", ("decision", "over_asking_rate")),
     ("Under-ask", ("decision", "under_asking_rate")),
     ("AUROC", ("auroc",)),
+    ("R@5%OA", ("recall_at_over_asking", "0.05")),
+    ("R@10%OA", ("recall_at_over_asking", "0.1")),
     ("ROUGE-L", ("question", "rougeL_f")),
     ("SemSim", ("question", "semantic_similarity")),
     ("Ground EM", ("grounding", "exact_match")),
@@ -225,7 +227,8 @@ def _markdown(report: dict, plots: dict[str, Path]) -> str:
                 + (" (see `skipped` above for source, line and reason)." if report["skipped_lines"] else "."), ""]
     out.append(
         "P/R/F1 are for the *clarify* class; over-ask = share of clear turns the model asked about; "
-        "under-ask = share of turns needing clarification it answered directly; ROUGE-L and SemSim "
+        "under-ask = share of turns needing clarification it answered directly; R@5%OA / R@10%OA = the best "
+        "recall of any threshold that asks about at most 5% / 10% of clear turns; ROUGE-L and SemSim "
         "(mean cosine similarity of all-MiniLM-L6-v2 embeddings of generated vs reference question) are "
         "on true positives; Valid = share of outputs that parsed. n/a = undefined."
     )

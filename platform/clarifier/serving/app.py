@@ -19,10 +19,16 @@ Two deployments:
   ``GET /readyz``             200 + model version once a model replica answers, else 503 (no key)
   ``/docs``, ``/openapi.json``
 
-  Status codes: 401 missing/wrong API key (when keys are configured), 413 over a size limit (the
-  body names it), 422 bad body (names the field), 503 overloaded (``max_queued_requests`` requests
-  already wait for a model replica; JSON body names the limit, ``Retry-After`` set), 500 without
-  internals on unexpected errors (an error id points into the server log).
+  Status codes: 400 body not UTF-8 (FastAPI cannot decode it), 401 missing/wrong API key (when
+  keys are configured), 413 over a size limit (the body names it), 422 bad body (names the
+  field), 503 overloaded (``max_queued_requests`` requests already wait for a model replica; JSON
+  body names the limit, ``Retry-After`` set) or no replica could answer, 500 without internals on
+  unexpected errors (an error id points into the server log).
+
+  A model replica that dies (or becomes unreachable) while it holds a request does not fail that
+  request: answering is idempotent, so the ingress sends it again, to another replica (Serve's
+  router has dropped the dead one), up to ``REPLICA_LOSS_RETRIES`` times; after that the answer is
+  a 503 with ``Retry-After`` (``"error": "unavailable"``), which clients retry -- never a 500.
 
 Entry points::
 
@@ -44,10 +50,12 @@ import time
 import uuid
 from typing import Any, List, Optional, Tuple, Union
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request, Security
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import APIKeyHeader, HTTPBearer
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from ..config import ConfigError, ServeConfig
@@ -65,6 +73,10 @@ log = logging.getLogger("ray.serve.clarifier")
 APP_NAME = "clarifier"
 API_TITLE = "Clarifier"
 RETRY_AFTER_S = 1
+# A model call whose replica died mid-request is sent again this many times (to another replica).
+REPLICA_LOSS_RETRIES = 2
+# Errors meaning "the replica holding the request is gone", not "the model failed on it".
+REPLICA_LOST = (ActorDiedError, ActorUnavailableError)
 
 # Non-secret variables forwarded to replicas when set on the driver (credentials are not: they
 # belong to the cluster's own environment / instance profile; API keys never leave the builder).
@@ -246,7 +258,14 @@ async def _observe(request: Request, call_next):
     return response
 
 
-async def require_api_key(request: Request) -> None:
+# Declared so that the OpenAPI document says how to send the key (either scheme will do); the
+# check itself is require_api_key's, on the raw headers.
+_BEARER = HTTPBearer(auto_error=False, description="`Authorization: Bearer <key>`")
+_KEY_HEADER = APIKeyHeader(name=API_KEY_HEADER, auto_error=False, description=f"`{API_KEY_HEADER}: <key>`")
+
+
+async def require_api_key(request: Request, _bearer: Any = Security(_BEARER),
+                          _header: Any = Security(_KEY_HEADER)) -> None:
     """401 unless auth is off or the request carries a configured key (never echoed)."""
     ingress = _ingress()
     key = presented_key(request.headers)
@@ -260,10 +279,16 @@ async def require_api_key(request: Request) -> None:
 
 
 AUTH = [Depends(require_api_key)]
-ERRORS = {401: {"description": "missing or wrong API key"},
+ERRORS = {400: {"description": "the body could not be decoded (not UTF-8 JSON)"},
+          401: {"description": "missing or wrong API key"},
           413: {"description": "over a configured size limit (the body names it)"},
-          503: {"description": "overloaded: max_queued_requests requests already wait (the body names it)"},
+          503: {"description": "overloaded: max_queued_requests requests already wait (the body names it), "
+                               "or no model replica could answer; retry after Retry-After seconds"},
           500: {"description": "internal error (details only in the server log)"}}
+
+
+# The batch body is checked in the handler (an empty list is a 422 saying so); the document says it too.
+BATCH_BODY_DOC = {"requestBody": {"content": {"application/json": {"schema": {"minItems": 1}}}}}
 
 
 @serve.deployment(name="ClarifierIngress")
@@ -288,7 +313,31 @@ class ClarifierIngress:
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _overloaded(self, exc: Exception) -> JSONResponse:
+    async def _call_model(self, method: str, arg: Any) -> Any:
+        """``self.model.<method>.remote(arg)``, sent again when the replica holding it died.
+
+        Answering is a pure function of the request, so a request lost with its replica is safe to
+        repeat; Serve's router has already taken the dead replica out of rotation, so the retry
+        goes to a live one (or waits in the queue for the replacement, like any new request).
+        """
+        attempt = 0
+        while True:
+            try:
+                return await getattr(self.model, method).remote(arg)
+            except REPLICA_LOST as exc:
+                if attempt >= REPLICA_LOSS_RETRIES:
+                    self.metrics.replica_lost.inc(outcome="unavailable")
+                    raise
+                attempt += 1
+                self.metrics.replica_lost.inc(outcome="retried")
+                log.warning("model replica lost during %s (%s); sending the request again (retry %d of %d)",
+                            method, type(exc).__name__, attempt, REPLICA_LOSS_RETRIES)
+
+    def _unavailable(self, exc: Exception) -> JSONResponse:
+        if isinstance(exc, REPLICA_LOST):
+            return JSONResponse(status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}, content={"detail": {
+                "error": "unavailable", "limit": None,
+                "message": "the model replica answering this request stopped; retry later"}})
         self.metrics.rejected.inc(reason="backpressure")
         if isinstance(exc, BackPressureError):
             limit = self.max_queued_requests if self.max_queued_requests >= 0 else exc.args[1]
@@ -315,16 +364,16 @@ class ClarifierIngress:
         """Decide whether the latest turn needs clarification; ask the question if it does."""
         check_limits(body, self.max_history_turns, self.max_chars)
         try:
-            resp = await self.model.clarify.remote(body)
-        except (BackPressureError, DeploymentUnavailableError) as exc:
-            return self._overloaded(exc)
+            resp = await self._call_model("clarify", body)
+        except (BackPressureError, DeploymentUnavailableError, *REPLICA_LOST) as exc:
+            return self._unavailable(exc)
         except Exception:
             return self._internal_error()
         self.metrics.observe_answer(resp)
         return resp
 
     @fastapi_app.post("/v1/clarify/batch", response_model=List[ClarifyResponse], dependencies=AUTH,
-                      responses=ERRORS)
+                      responses=ERRORS, openapi_extra=BATCH_BODY_DOC)
     async def clarify_batch(self, body: List[ClarifyRequest]) -> List[ClarifyResponse]:
         """Several independent requests in one call; answers in the same order."""
         if len(body) > self.max_batch_requests:
@@ -338,9 +387,9 @@ class ClarifierIngress:
         for i, req in enumerate(body):
             check_limits(req, self.max_history_turns, self.max_chars, index=i)
         try:
-            resps = await self.model.clarify_many.remote(list(body))
-        except (BackPressureError, DeploymentUnavailableError) as exc:
-            return self._overloaded(exc)
+            resps = await self._call_model("clarify_many", list(body))
+        except (BackPressureError, DeploymentUnavailableError, *REPLICA_LOST) as exc:
+            return self._unavailable(exc)
         except Exception:
             return self._internal_error()
         for r in resps:

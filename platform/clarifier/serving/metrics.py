@@ -14,7 +14,9 @@ Ingress (per HTTP request / answer):
   ``clarifier_requests_total{route,status}``, ``clarifier_request_latency_seconds{route}``,
   ``clarifier_decisions_total{decision=clarify|answer}``, ``clarifier_path_total{path=fast|generate}``
   (fast path = decided in the single scoring pass, no decoding; share = fast / total),
-  ``clarifier_invalid_outputs_total``, ``clarifier_rejected_total{reason=backpressure|auth}``.
+  ``clarifier_invalid_outputs_total``, ``clarifier_rejected_total{reason=backpressure|auth}``,
+  ``clarifier_replica_lost_total{outcome=retried|unavailable}`` (model calls whose replica died or
+  became unreachable mid-request: retried on another replica, or answered 503 once retries ran out).
 Model replica (Ray metrics only):
   ``clarifier_batch_size`` (requests per engine call), ``clarifier_batch_latency_seconds``,
   ``clarifier_model_switches_total``, ``clarifier_model_load_seconds``, ``clarifier_model_info{version}``.
@@ -104,6 +106,9 @@ class IngressMetrics:
                              "Generations that did not parse (answered as no clarification).", **kw)
         self.rejected = _Dual("counter", "clarifier_rejected_total", "Requests rejected before the model.",
                               ("reason",), **kw)
+        self.replica_lost = _Dual("counter", "clarifier_replica_lost_total",
+                                  "Model calls whose replica died mid-request, by outcome (retried/unavailable).",
+                                  ("outcome",), **kw)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.inc(route=route, status=str(status))

@@ -21,7 +21,10 @@ from every rank's files:
 On (re)start the loop restores all of it from ``ray.train.get_checkpoint()`` and continues with
 the same step count, LR schedule, data order and RNG streams; the restored optimizer state is
 verified against the checksum saved with it. Rank 0 logs to MLflow, skipping steps the run
-already has (a crash after logging a step cannot duplicate it).
+already has (a crash after logging a step cannot duplicate it), through the buffer of
+:mod:`clarifier.train.tracking`: a tracking-server outage neither stalls the loop nor, when short,
+leaves a gap; steps whose metrics are lost anyway are counted, carried across restarts in the
+checkpoint, and logged by the driver (``tracking/lost_steps``).
 """
 
 from __future__ import annotations
@@ -242,7 +245,7 @@ def train_loop_per_worker(config: dict) -> None:
     from peft import LoraConfig, get_peft_model
 
     from ..models import load_causal_lm, load_tokenizer, resolve_base_model
-    from .tracking import SafeTracker
+    from .tracking import SafeTracker, parse_step_ranges
 
     cfg = ClarifierConfig.model_validate(config["cfg"])
     part = config.get("part")  # pipeline variant: when / how / what; None = joint
@@ -283,6 +286,7 @@ def train_loop_per_worker(config: dict) -> None:
     # ---- restore ---------------------------------------------------------------------------
     step, micro = 0, 0
     resumed = False
+    lost_before: set[int] = set()  # steps whose metrics earlier attempts could not log
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
@@ -302,12 +306,21 @@ def train_loop_per_worker(config: dict) -> None:
                                f"(checksum {got} != saved {rs['optimizer_checksum']})")
         set_rng_state(rs["rng"])
         step, micro = int(state["step"]), int(state["micro_batches"])
+        lost_before = parse_step_ranges(state.get("tracking_lost_steps"))
         resumed = True
         if rank == 0:
             _say(f"[train] resumed from step {step} ({micro} micro-batches consumed); optimizer state verified")
 
-    tracker = SafeTracker(config.get("mlflow_run_id") if rank == 0 else None, config.get("tracking_uri"))
-    logged_upto = tracker.last_step("train/loss") if rank == 0 else 0
+    tc = cfg.tracking
+    tracker = SafeTracker(config.get("mlflow_run_id") if rank == 0 else None, config.get("tracking_uri"),
+                          max_buffered=tc.buffer_max_values, request_timeout_s=tc.request_timeout_s,
+                          lost_steps=lost_before if rank == 0 else ())
+    known = tracker.last_step("train/loss") if rank == 0 else None
+    logged_upto = known or 0
+    if rank == 0 and resumed and known is not None and known < step:
+        # The previous attempt computed these steps but its buffered metrics died with it (or the
+        # server was down): the run lacks them and this attempt does not recompute them.
+        tracker.note_lost_steps(range(known + 1, step + 1))
     if rank == 0:
         _say(f"[train] {world} workers, ZeRO-{t.zero_stage}, LoRA r={lcfg.r}"
              f"{f', pipeline part {part!r}' if part else ''}: {trainable:,} trainable of {total:,} parameters; "
@@ -318,6 +331,7 @@ def train_loop_per_worker(config: dict) -> None:
     if step >= t.max_steps:  # the restored checkpoint is already the final one (fit() returns it)
         if rank == 0:
             _say(f"[train] checkpoint at step {step} is final; nothing left to train")
+        tracker.close(tc.flush_timeout_s)
         return
 
     tokens_since = 0
@@ -371,8 +385,11 @@ def train_loop_per_worker(config: dict) -> None:
             os._exit(1)
         if stop:
             break
-    if rank == 0 and tracker.failed_calls:
-        _say(f"[train] warning: {tracker.failed_calls} MLflow calls failed; {tracker.lost_metrics} metric values lost")
+    ts = tracker.close(tc.flush_timeout_s)  # (already closed by the final checkpoint)
+    if rank == 0 and (ts["failed_calls"] or ts["lost_steps"]):
+        _say(f"[train] MLflow tracking: {ts['failed_calls']} failed requests, up to {ts['peak_buffered']} values "
+             f"buffered; " + (f"metrics of {ts['lost_steps']} steps lost (steps {ts['lost_step_ranges']}, "
+                              f"{ts['lost_values']} values)" if ts["lost_steps"] else "every step's metrics delivered"))
 
 
 def _save_adapter(engine, d: str, rank: int, zero_stage: int) -> None:
@@ -396,7 +413,18 @@ def _report(engine, tok, cfg: ClarifierConfig, step: int, micro: int, rank: int,
     from ..inference import ModelMeta, write_meta
 
     tag = f"step{step:08d}"
-    metrics = {"step": step, "final": final, "mlflow_lost_metrics": tracker.lost_metrics}
+    # Metrics of the steps up to this checkpoint reach MLflow before it is reported (a crash right
+    # after it cannot lose them), unless the server is down: then they stay buffered; at the end,
+    # wait up to tracking.flush_timeout_s for it so the final counts of lost metrics are known.
+    tc = cfg.tracking
+    if final:
+        tracker.close(tc.flush_timeout_s)
+    else:
+        tracker.flush(tc.request_timeout_s, only_if_up=True)
+    ts = tracker.stats()
+    metrics = {"step": step, "final": final, "tracking_lost_steps": ts["lost_steps"],
+               "tracking_lost_step_ranges": ts["lost_step_ranges"], "tracking_lost_values": ts["lost_values"],
+               "tracking_failed_calls": ts["failed_calls"]}
     with tempfile.TemporaryDirectory() as d:
         # Collective (every rank): ZeRO shards of optimizer / scheduler / trainable weights.
         engine.save_checkpoint(os.path.join(d, DS_DIR), tag=tag, exclude_frozen_parameters=True)
@@ -410,7 +438,8 @@ def _report(engine, tok, cfg: ClarifierConfig, step: int, micro: int, rank: int,
                                     prompt={"max_prompt_tokens": cfg.model.max_prompt_tokens}))
             state = {"step": step, "micro_batches": micro, "samples": micro * world * cfg.train.micro_batch_size,
                      "final": final, "tag": tag, "world_size": world, "zero_stage": cfg.train.zero_stage,
-                     "seed": cfg.train.seed, "part": config.get("part"), "mlflow_run_id": config.get("mlflow_run_id")}
+                     "seed": cfg.train.seed, "part": config.get("part"), "mlflow_run_id": config.get("mlflow_run_id"),
+                     "tracking_lost_steps": ts["lost_step_ranges"]}
             with open(os.path.join(d, STATE_FILE), "w") as f:
                 json.dump(state, f)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),

@@ -8,11 +8,11 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import storage
-from ..config import ClarifierConfig, flatten
+from ..config import ClarifierConfig, TrainConfig, flatten
 from ..inference import META_FILE
 from .loop import DS_DIR, PIPELINE_PARTS, RANK_DIR, STATE_FILE, resolve_decision_loss, train_loop_per_worker
 from .objective import DecisionLoss
@@ -27,6 +27,9 @@ class TrainResult:
     model_dir: str  # local copy of the final checkpoint (a loadable Clarifier model folder)
     steps: int
     seconds: float
+    # MLflow tracking outages: failed_calls, lost_steps / lost_values (metrics missing from the run
+    # after the buffer was flushed), lost_step_ranges ("12-15,18"; pipeline: "when:...; how:...")
+    tracking: dict = field(default_factory=dict)
 
 
 def _tracking_uri(cfg: ClarifierConfig) -> str | None:
@@ -75,6 +78,8 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
         raise ValueError(f"train.num_workers x train.cpus_per_worker = {need:g} CPUs, but the Ray cluster has "
                          f"{have:g}; training would wait forever. Lower train.cpus_per_worker or add CPUs.")
 
+    check_placement(t, ray.nodes())
+
     # Convert/download the base model once on the driver's node so workers find it cached.
     resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
 
@@ -92,9 +97,11 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
 
     t0 = time.time()
     out = Path(tempfile.mkdtemp(prefix="clarifier-model-"))
+    tracking: dict[str, dict] = {}  # MLflow run id -> tracking stats of the fit that logged to it
     if t.variant == "joint":
         result = _fit(cfg, None, run_id, tracking_uri, decision, ray_name, storage_path, n_train, progress)
         steps = _copy_model(result, out)
+        tracking[run_id] = _tracking_stats(result)
     else:
         steps = 0
         parts = {}
@@ -103,19 +110,73 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
             result = _fit(cfg, part, child, tracking_uri, decision if part == "when" else DecisionLoss(),
                           f"{ray_name}-{part}", storage_path, n_train, progress)
             steps += _copy_model(result, out / part)
+            tracking[child] = {**_tracking_stats(result), "part": part}
             parts[part] = {"folder": part, "segments": list(PIPELINE_PARTS[part]), "mlflow_run_id": child}
         shutil.copy(out / "when" / META_FILE, out / META_FILE)  # threshold + base model of the composition
         (out / PIPELINE_FILE).write_text(json.dumps({"variant": "pipeline", "parts": parts}, indent=2))
     seconds = time.time() - t0
+    summary = _tracking_summary(tracking)
     calib = _calibrate(cfg, out, progress)
     with mlflow.start_run(run_id=run_id):
         mlflow.log_artifacts(str(out), artifact_path="adapter")
         mlflow.log_metrics({"train/steps": steps, "train/seconds": seconds})
+        _log_tracking(tracking, run_id, summary)
         if calib:
             mlflow.log_metrics({"calibration/threshold": calib["threshold"]})
             mlflow.set_tags({"calibration.rule": calib["rule"], "calibration.n": calib["n"]})
+    if summary["failed_calls"] or summary["lost_steps"]:
+        progress(f"[train] MLflow tracking outage: {summary['failed_calls']} failed requests from the workers; "
+                 + (f"metrics of {summary['lost_steps']} steps lost (steps {summary['lost_step_ranges']}; "
+                    f"{summary['lost_values']} values), see tracking/lost_steps" if summary["lost_steps"]
+                    else "every step's metrics were buffered and delivered"))
     progress(f"[train] done: {steps} steps in {seconds:.0f}s; adapter logged to run {run_id}")
-    return TrainResult(run_id=run_id, model_dir=str(out), steps=steps, seconds=seconds)
+    return TrainResult(run_id=run_id, model_dir=str(out), steps=steps, seconds=seconds, tracking=summary)
+
+
+def _tracking_stats(result) -> dict:
+    """The tracker's counts as reported with the final checkpoint (see loop._report)."""
+    m = result.metrics or {}
+    return {"lost_steps": int(m.get("tracking_lost_steps") or 0),
+            "lost_values": int(m.get("tracking_lost_values") or 0),
+            "failed_calls": int(m.get("tracking_failed_calls") or 0),
+            "lost_step_ranges": str(m.get("tracking_lost_step_ranges") or "")}
+
+
+def _tracking_summary(tracking: dict[str, dict]) -> dict:
+    out = {k: sum(s[k] for s in tracking.values()) for k in ("lost_steps", "lost_values", "failed_calls")}
+    ranges = [(f"{s['part']}:" if "part" in s else "") + s["lost_step_ranges"]
+              for s in tracking.values() if s["lost_step_ranges"]]
+    out["lost_step_ranges"] = "; ".join(ranges)
+    return out
+
+
+def _log_tracking(tracking: dict[str, dict], run_id: str, summary: dict) -> None:
+    """``tracking/lost_steps``, ``tracking/lost_values``, ``tracking/failed_calls`` (and the tag
+    ``tracking.lost_steps`` naming them) in every run trained here; the parent of a pipeline gets the sums.
+    Logged by the driver after training, with MLflow's own retries, so they survive a worker-side outage."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, RunTag
+
+    client = MlflowClient()
+    ts = int(time.time() * 1000)
+    for rid, stats in {**tracking, run_id: summary}.items():
+        client.log_batch(rid, metrics=[Metric(f"tracking/{k}", float(stats[k]), ts, 0)
+                                       for k in ("lost_steps", "lost_values", "failed_calls")],
+                         tags=[RunTag("tracking.lost_steps", stats["lost_step_ranges"])]
+                         if stats["lost_step_ranges"] else [])
+
+
+def check_placement(t: TrainConfig, nodes: list[dict]) -> None:
+    """``STRICT_SPREAD`` needs a node per worker (``nodes`` as from ``ray.nodes()``); without one
+    the placement group is never scheduled and training would wait forever."""
+    if t.placement_strategy != "STRICT_SPREAD":
+        return
+    fit = [n for n in nodes if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= t.cpus_per_worker
+           and (not t.use_gpu or n.get("Resources", {}).get("GPU", 0) >= 1)]
+    if len(fit) < t.num_workers:
+        raise ValueError(f"train.placement_strategy=STRICT_SPREAD puts each of the {t.num_workers} workers on its own "
+                         f"node, but only {len(fit)} node(s) of the Ray cluster can hold one; training would wait "
+                         "forever. Use SPREAD (best effort) or add nodes.")
 
 
 def _slug(name: str) -> str:
@@ -172,7 +233,8 @@ def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str 
 
     t = cfg.train
     scaling = ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
-                            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})})
+                            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})},
+                            placement_strategy=t.placement_strategy)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow_run_id": run_id, "tracking_uri": tracking_uri,

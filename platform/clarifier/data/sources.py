@@ -1,0 +1,156 @@
+"""``data.sources``: datasets imported into ``data.input`` before the data job reads it.
+
+A recipe names its training data as a list of sources -- public datasets through their importers
+(``clarifier.data.importers``) and synthetic conversations -- instead of a folder prepared by hand::
+
+    data:
+      input: .clarifier/recipes/joint-public/input      # owned by the sources: rewritten on every run
+      sources:
+        - {importer: pacific, src: ../shared/data/public/pacific, max_examples: 600}
+        - {importer: synthetic, options: {conversations: 200}}
+
+Each source becomes ``<data.input>/<name>.jsonl`` (evaluation-set examples, ``meta.source=<name>``;
+synthetic: conversation logs under ``<name>/``), its skipped records ``<name>.skipped.json`` with
+reasons, and ``_sources.json`` lists what was written with the counts. ``max_examples`` keeps whole
+conversations in a seeded random order; what it drops is counted (``dropped_by_cap``), never silent.
+The folder is owned by the sources: a ``data.input`` that holds files they did not write is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Callable
+
+from .. import storage
+from ..config import DataConfig, SourceConfig
+from ..schema import Example
+
+OWNER_FILE = "_sources.json"
+SYNTHETIC = "synthetic"
+
+
+def _order_key(seed: int, conversation_id: str) -> str:
+    # Salted: the split hash (data.split) is sha256 of "<seed>:<id>"; ordering by that same value would
+    # keep exactly the conversations of the first split.
+    return hashlib.sha256(f"max_examples:{seed}:{conversation_id}".encode()).hexdigest()
+
+
+def cap_by_conversation(examples: list[Example], max_examples: int | None, seed: int) -> tuple[list[Example], list[Example]]:
+    """``(kept, dropped)``: whole conversations in a seeded order until ``max_examples`` is reached.
+
+    A conversation that would overshoot the cap is skipped (a smaller later one may still fit), so
+    ``len(kept) <= max_examples``; the order of ``kept`` is the input order. Pure.
+    """
+    if max_examples is None or len(examples) <= max_examples:
+        return list(examples), []
+    groups: dict[str, list[int]] = {}
+    for i, e in enumerate(examples):
+        groups.setdefault(e.conversation_id, []).append(i)
+    keep: set[int] = set()
+    for cid in sorted(groups, key=lambda c: _order_key(seed, c)):
+        idx = groups[cid]
+        if len(keep) + len(idx) <= max_examples:
+            keep.update(idx)
+        if len(keep) == max_examples:
+            break
+    kept = [e for i, e in enumerate(examples) if i in keep]
+    dropped = [e for i, e in enumerate(examples) if i not in keep]
+    return kept, dropped
+
+
+def _check_owned(input_uri: str) -> None:
+    try:
+        files = storage.list_files(input_uri)
+    except FileNotFoundError:
+        return
+    if not files:
+        return
+    owner = storage.join(input_uri, OWNER_FILE)
+    if not storage.exists(owner):
+        raise ValueError(
+            f"data.sources would rewrite data.input={input_uri!r}, but it holds files that data.sources did not "
+            f"write (e.g. {files[0]}); point data.input at an empty or new folder")
+
+
+def _import_source(src: SourceConfig) -> tuple[list[Example], list[dict]]:
+    from .importers import get_importer, iter_dataset
+    from .importers.base import Skipped
+
+    get_importer(src.importer)  # names the available importers when it is unknown
+    if not src.src:
+        raise ValueError(f"data.sources[{src.source_name}]: 'src' (the dataset folder) is empty")
+    folder = src.src
+    tmp = None
+    if storage.is_s3(src.src):  # importers read files: fetch the dataset's prefix first
+        import tempfile
+
+        tmp = tempfile.TemporaryDirectory(prefix="clarifier-source-")
+        if not storage.download_prefix(src.src, tmp.name):
+            raise FileNotFoundError(f"data.sources[{src.source_name}]: no files under {src.src}")
+        folder = tmp.name
+    elif not Path(src.src).exists():
+        raise FileNotFoundError(
+            f"data.sources[{src.source_name}]: src {src.src!r} does not exist (relative paths are relative to "
+            f"the working directory {Path.cwd()})")
+    examples: list[Example] = []
+    skipped: list[dict] = []
+    try:
+        items = list(iter_dataset(src.importer, folder, src.options))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    for item in items:
+        if isinstance(item, Skipped):
+            skipped.append({"reason": item.reason, "where": item.where, "detail": item.detail})
+        else:
+            item.meta["source"] = src.source_name
+            examples.append(item)
+    return examples, skipped
+
+
+def materialize_sources(d: DataConfig, progress: Callable[[str], None] = print) -> dict:
+    """Import every ``d.sources`` entry into ``d.input``; returns the per-source counts (also in ``_sources.json``)."""
+    if not d.input:
+        raise ValueError("data.sources needs data.input: the folder the sources are imported into")
+    _check_owned(d.input)
+    storage.delete_dir(d.input)
+    report: dict[str, dict] = {}
+    for src in d.sources:
+        name = src.source_name
+        if src.importer == SYNTHETIC:
+            from .synthetic import write_logs
+
+            if src.max_examples is not None:
+                raise ValueError(f"data.sources[{name}]: synthetic sources take options.conversations, not max_examples")
+            unknown = set(src.options) - {"conversations", "seed"}
+            if unknown:
+                raise ValueError(f"data.sources[{name}]: unknown synthetic options {sorted(unknown)} (known: conversations, seed)")
+            n = int(src.options.get("conversations", d.synthetic_conversations))
+            files = write_logs(storage.join(d.input, name), n, seed=int(src.options.get("seed", d.seed)))
+            report[name] = {"importer": SYNTHETIC, "conversations": n, "files": files}
+            progress(f"[sources] {name}: {n} synthetic conversations")
+            continue
+        examples, skipped = _import_source(src)
+        kept, dropped = cap_by_conversation(examples, src.max_examples, d.seed)
+        uri = storage.join(d.input, f"{name}.jsonl")
+        storage.write_text(uri, "".join(e.model_dump_json() + "\n" for e in kept))
+        if skipped:
+            storage.write_text(storage.join(d.input, f"{name}.skipped.json"), json.dumps(skipped, indent=1) + "\n")
+        report[name] = {
+            "importer": src.importer, "src": src.src, "options": src.options, "imported": len(examples),
+            "imported_clarify": sum(e.needs_clarification for e in examples), "skipped": len(skipped),
+            "kept": len(kept), "kept_clarify": sum(e.needs_clarification for e in kept),
+            "dropped_by_cap": len(dropped), "max_examples": src.max_examples, "file": uri,
+        }
+        progress(f"[sources] {name}: imported {len(examples)} ({report[name]['imported_clarify']} clarify), "
+                 f"skipped {len(skipped)}, kept {len(kept)} ({report[name]['kept_clarify']} clarify)"
+                 + (f", {len(dropped)} over max_examples={src.max_examples}" if dropped else ""))
+    storage.write_text(storage.join(d.input, OWNER_FILE), json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def source_of(example: Example) -> str:
+    """The source an example came from: ``meta.source`` (data.sources, synthetic), else ``meta.dataset``."""
+    return str(example.meta.get("source") or example.meta.get("dataset") or "unknown")

@@ -1,0 +1,350 @@
+"""``clarifier recipe benchmark <name>``: the recipe's comparison table, from the platform's own jobs.
+
+One command, one process: local Ray (or the cluster in ``RAY_ADDRESS``), an MLflow server (the one
+in ``MLFLOW_TRACKING_URI``, else a local sqlite one under the work folder), then
+
+1. the data job (``data.sources`` import + Ray Data) for the recipe as it is;
+2. Ray Train runs of every *variant* of the plan (the recipe itself = the joint model, the
+   pipeline variant, ablations), each calibrated on its dev split;
+3. leave-one-dataset-out: the recipe trained without one source, for each listed source;
+4. one evaluation set: a seeded sample of the recipe's test split, ``eval_per_source`` examples of
+   every source; every row is scored on it (leave-one-out models on their left-out source only);
+5. report: overall and per-source tables, leave-one-out table, recall at over-asking budgets,
+   error analysis of the joint model per source, stage timings -> ``<out>.json`` and ``<out>.md``.
+
+The plan (``benchmarks/recipe/<name>.yaml``) is a :class:`BenchmarkPlan`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..config import ClarifierConfig, ConfigError, load_config
+from . import PLANS_DIR, recipe_path
+
+Progress = Callable[[str], None]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LeaveOneOutPlan(_Strict):
+    sources: list[str] = Field(default_factory=list, description="Sources left out one at a time.")
+    overrides: list[str] = Field(default_factory=list, description="Applied to the recipe for these runs (e.g. a shorter budget).")
+
+
+class ErrorAnalysisPlan(_Strict):
+    row: str = "joint"
+    decisions: int = Field(30, ge=0)
+    questions: int = Field(30, ge=0)
+    min_similarity: float = 0.5
+
+
+class BenchmarkPlan(_Strict):
+    recipe: str
+    overrides: list[str] = Field(default_factory=list, description="Applied to the recipe for every run.")
+    eval_per_source: int = Field(60, ge=1, description="Test-split examples per source in the evaluation set (seeded sample).")
+    eval_clarify_share: float | None = Field(
+        None, gt=0, lt=1, description="Share of turns needing clarification in each source's sample (where the split has "
+                                      "enough); null = the split's own share.")
+    seed: int = 0
+    rule_baselines: list[str] = ["never_ask", "always_ask", "lexical"]
+    zero_shot: dict[str, str] = Field(default_factory=dict, description="Row name -> base model, prompted zero-shot (decision only).")
+    variants: dict[str, list[str]] = Field(default_factory=lambda: {"joint": []},
+                                           description="Row name -> overrides of the recipe; each is trained on all sources.")
+    leave_one_out: LeaveOneOutPlan = LeaveOneOutPlan()
+    error_analysis: ErrorAnalysisPlan = ErrorAnalysisPlan()
+    grounding_source: str = Field("synthetic", description="Source whose gold grounding the grounding columns are measured on.")
+
+
+def plan_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml"):
+        return p
+    return PLANS_DIR / f"{name_or_path}.yaml"
+
+
+def load_plan(name_or_path: str) -> BenchmarkPlan:
+    import yaml
+    from pydantic import ValidationError
+
+    path = plan_path(name_or_path)
+    if not path.is_file():
+        raise ConfigError(f"no benchmark plan {path}")
+    try:
+        plan = BenchmarkPlan.model_validate(yaml.safe_load(path.read_text()) or {})
+    except ValidationError as exc:
+        msgs = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid benchmark plan {path}: {msgs}") from None
+    if "joint" not in plan.variants:
+        raise ConfigError(f"{path}: variants must include 'joint' (the recipe as it is)")
+    return plan
+
+
+# ---- pure parts ------------------------------------------------------------------------------
+
+
+def eval_sample(examples: list, per_source: int, seed: int, source_of, clarify_share: float | None = None) -> list:
+    """Up to ``per_source`` examples of every source (seeded), in id order.
+
+    With ``clarify_share``, each source's sample holds that share of turns needing clarification
+    where the split has enough of them (the rest clear turns; a shortfall of either is filled with
+    the other), so that recall is measured on more than a handful of positives.
+    """
+    by: dict[str, list] = {}
+    for e in sorted(examples, key=lambda e: e.id):
+        by.setdefault(source_of(e), []).append(e)
+    out = []
+    for src in sorted(by):
+        group = by[src]
+        rng = random.Random(f"{seed}:{src}")
+        if len(group) <= per_source:
+            pass
+        elif clarify_share is None:
+            group = rng.sample(group, per_source)
+        else:
+            pos = [e for e in group if e.needs_clarification]
+            neg = [e for e in group if not e.needs_clarification]
+            n_pos = min(len(pos), round(clarify_share * per_source))
+            n_neg = min(len(neg), per_source - n_pos)
+            n_pos = min(len(pos), per_source - n_neg)
+            group = rng.sample(pos, n_pos) + rng.sample(neg, n_neg)
+        out += sorted(group, key=lambda e: e.id)
+    return out
+
+
+def without_source(cfg: ClarifierConfig, source: str, workdir: Path) -> ClarifierConfig:
+    names = [s.source_name for s in cfg.data.sources]
+    if source not in names:
+        raise ConfigError(f"leave_one_out source {source!r} is not one of the recipe's sources {names}")
+    data = cfg.data.model_copy(update={
+        "sources": [s for s in cfg.data.sources if s.source_name != source],
+        "input": str(workdir / f"loo-{source}" / "input"), "output": str(workdir / f"loo-{source}" / "data")})
+    return cfg.model_copy(update={"data": data})
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self, progress: Progress):
+        self.t0 = time.time()
+        self.stages: dict[str, float] = {}
+        self.progress = progress
+
+    def stage(self, name: str):
+        clock = self
+
+        class _S:
+            def __enter__(self):
+                self.t = time.time()
+                clock.progress(f"\n== {name}  (+{time.time() - clock.t0:.0f}s)")
+
+            def __exit__(self, *exc):
+                clock.stages[name] = round(time.time() - self.t, 1)
+        return _S()
+
+
+def _variant_cfg(base: ClarifierConfig, recipe: str, plan: BenchmarkPlan, name: str, extra: list[str],
+                 workdir: Path) -> ClarifierConfig:
+    cfg = load_config(recipe_path(recipe), [*plan.overrides, *extra])
+    cfg.storage.root = str(workdir / "storage")
+    cfg.train.run_name = f"{name}-{int(time.time())}"
+    same = cfg.data.model_copy(update={"input": base.data.input, "output": base.data.output})
+    if same.model_dump() == base.data.model_dump():
+        return cfg.model_copy(update={"data": same})  # same data as the recipe: reuse its data job
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={
+        "input": str(workdir / name / "input"), "output": str(workdir / name / "data")})})
+
+
+def _train(cfg: ClarifierConfig, progress: Progress) -> dict:
+    from ..train.trainer import train
+    from . import prepare_if_needed
+
+    prepare_if_needed(cfg, progress)
+    t0 = time.time()
+    res = train(cfg, progress=progress)
+    return {"run_id": res.run_id, "model_dir": res.model_dir, "steps": res.steps, "train_seconds": round(res.seconds, 1),
+            "seconds": round(time.time() - t0, 1)}
+
+
+def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progress: Progress) -> tuple[list, float, float]:
+    from ..inference import ClarifierEngine
+
+    engine = ClarifierEngine.from_folder(model_dir, cache_dir=cfg.model.cache_dir, max_new_tokens=cfg.eval.max_new_tokens)
+    t0 = time.time()
+    preds = engine.predict(examples, batch_size=cfg.eval.batch_size,
+                           progress=lambda d, n: progress(f"[eval] {d}/{n}") if d == n or d % 64 == 0 else None)
+    thr = engine.threshold
+    del engine
+    return preds, thr, round(time.time() - t0, 1)
+
+
+def _predict_zero_shot(base_model: str, examples: list, cfg: ClarifierConfig, progress: Progress) -> tuple[list, float]:
+    from ..evaluation.metrics import Prediction
+    from ..inference import ClarifierEngine
+
+    engine = ClarifierEngine.from_base(base_model, cache_dir=cfg.model.cache_dir, threshold=0.5)
+    t0 = time.time()
+    scores = engine.score_examples(examples, cfg.eval.batch_size,
+                                   lambda d, n: progress(f"[eval] {d}/{n}") if d == n or d % 64 == 0 else None)
+    del engine
+    return [Prediction(needs_clarification=p >= 0.5, confidence=p) for p in scores], round(time.time() - t0, 1)
+
+
+def _metrics(examples, preds, sim_fn, source_of, grounding_source) -> dict:
+    from ..evaluation.metrics import evaluate_predictions
+
+    out = {"all": evaluate_predictions(examples, preds, similarity_fn=sim_fn)}
+    for src in sorted({source_of(e) for e in examples}):
+        idx = [i for i, e in enumerate(examples) if source_of(e) == src]
+        out[src] = evaluate_predictions([examples[i] for i in idx], [preds[i] for i in idx], similarity_fn=sim_fn)
+    out["grounding_source"] = grounding_source
+    return out
+
+
+def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | Path | None = None,
+                  overrides: list[str] | tuple[str, ...] = (), progress: Progress = print) -> dict:
+    """Run the plan; writes ``<out>.json`` and ``<out>.md`` (default ``benchmarks/results/recipe-<recipe>``)."""
+    from ..services import mlflow_env, start_mlflow_server
+
+    plan = load_plan(plan_name)
+    plan = plan.model_copy(update={"overrides": [*plan.overrides, *overrides]})
+    workdir = Path(workdir or f".clarifier/recipe-benchmark/{plan.recipe}").expanduser().resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = Path(out) if out else PLANS_DIR.parent / "results" / f"recipe-{plan.recipe}"
+    clock = _Clock(progress)
+    for k, v in mlflow_env().items():
+        os.environ.setdefault(k, v)
+    server = None
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        server = start_mlflow_server(workdir / "mlflow")
+        os.environ["MLFLOW_TRACKING_URI"] = server.url
+        progress(f"MLflow: {server.url} (sqlite under {workdir / 'mlflow'})")
+    try:
+        from ..runtime import init_ray
+
+        init_ray()
+        result = _run(plan, workdir, clock, progress)
+    finally:
+        if server:
+            server.stop()
+    result["seconds_total"] = round(time.time() - clock.t0, 1)
+    result["stages_seconds"] = clock.stages
+    from .tables import write_outputs
+
+    paths = write_outputs(result, out)
+    progress(f"\nrecipe benchmark done in {result['seconds_total'] / 60:.1f} min: {paths['json']} and {paths['md']}")
+    return result
+
+
+def _run(plan: BenchmarkPlan, workdir: Path, clock: _Clock, progress: Progress) -> dict:
+    from ..data.pipeline import load_split
+    from ..data.sources import source_of
+    from ..evaluation.baselines import baseline_predictions
+    from ..evaluation.error_analysis import analyse
+    from ..evaluation.evaluate import _similarity_fn
+
+    base = load_config(recipe_path(plan.recipe), plan.overrides)
+    base.storage.root = str(workdir / "storage")
+    base = base.model_copy(update={"data": base.data.model_copy(update={
+        "input": str(workdir / "recipe" / "input"), "output": str(workdir / "recipe" / "data")})})
+    from . import prepare_if_needed
+
+    with clock.stage("data job: import the sources, Ray Data preprocessing"):
+        manifest = prepare_if_needed(base, progress)
+    test = load_split(base.data.output, base.eval.split)
+    examples = eval_sample(test, plan.eval_per_source, plan.seed, source_of, plan.eval_clarify_share)
+    by_source = {}
+    for e in examples:
+        by_source.setdefault(source_of(e), [0, 0])
+        by_source[source_of(e)][0] += 1
+        by_source[source_of(e)][1] += int(e.needs_clarification)
+    progress(f"[recipe] evaluation set: {len(examples)} test examples: "
+             + ", ".join(f"{s} {n} ({c} clarify)" for s, (n, c) in by_source.items()))
+    sim_fn, sim_info = _similarity_fn(base, progress)
+
+    rows: dict[str, dict] = {}
+    preds_of: dict[str, list] = {}
+
+    def add_row(name: str, kind: str, preds: list, **info):
+        preds_of[name] = preds
+        rows[name] = {"kind": kind, **info, "metrics": _metrics(examples, preds, sim_fn, source_of, plan.grounding_source)}
+        m = rows[name]["metrics"]["all"]
+        progress(f"[recipe] {name}: F1 {m['decision']['f1']:.3f}, over-asking {m['decision']['over_asking_rate']:.3f}, "
+                 f"AUROC {m['auroc'] if m['auroc'] is None else round(m['auroc'], 3)}")
+
+    with clock.stage("rule baselines"):
+        for name in plan.rule_baselines:
+            add_row(name, "rule", baseline_predictions(name, examples))
+    for name, model in plan.zero_shot.items():
+        with clock.stage(f"zero-shot {name} ({model})"):
+            preds, secs = _predict_zero_shot(model, examples, base, progress)
+            add_row(name, "zero-shot", preds, base_model=model, eval_seconds=secs, threshold=0.5)
+    for name, extra in plan.variants.items():
+        cfg = _variant_cfg(base, plan.recipe, plan, name, extra, workdir)
+        with clock.stage(f"train {name} ({' '.join(extra) or 'the recipe'})"):
+            tr = _train(cfg, progress)
+        with clock.stage(f"evaluate {name}"):
+            preds, thr, secs = _predict_model(tr["model_dir"], examples, cfg, progress)
+            add_row(name, "trained", preds, overrides=extra, threshold=thr, eval_seconds=secs, **tr)
+
+    loo: dict[str, dict] = {}
+    for src in plan.leave_one_out.sources:
+        cfg = without_source(_variant_cfg(base, plan.recipe, plan, f"loo-{src}", plan.leave_one_out.overrides, workdir),
+                             src, workdir)
+        held = [e for e in examples if source_of(e) == src]
+        if not held:
+            progress(f"[recipe] WARNING: no evaluation examples from {src}; skipping its leave-one-out run")
+            continue
+        with clock.stage(f"leave-one-out: train without {src}"):
+            tr = _train(cfg, progress)
+        with clock.stage(f"leave-one-out: evaluate on {src}"):
+            preds, thr, secs = _predict_model(tr["model_dir"], held, cfg, progress)
+        from ..evaluation.metrics import evaluate_predictions
+
+        idx = [i for i, e in enumerate(examples) if source_of(e) == src]
+        loo[src] = {
+            "left_out": evaluate_predictions(held, preds, similarity_fn=sim_fn), "threshold": thr, "eval_seconds": secs,
+            "overrides": plan.leave_one_out.overrides, **tr,
+            "in_distribution": {name: rows[name]["metrics"].get(src) for name in rows},
+            "n": len(idx),
+        }
+
+    errors = {}
+    ea = plan.error_analysis
+    if ea.row in preds_of:
+        with clock.stage(f"error analysis of {ea.row}"):
+            for src in sorted(by_source):
+                idx = [i for i, e in enumerate(examples) if source_of(e) == src]
+                errors[src] = analyse([examples[i] for i in idx], [preds_of[ea.row][i] for i in idx],
+                                      n_decisions=ea.decisions, n_questions=ea.questions, seed=plan.seed,
+                                      similarity_fn=sim_fn, min_similarity=ea.min_similarity)
+    import clarifier
+    from ..data.pipeline import _git_commit
+
+    return {
+        "benchmark": f"recipe-{plan.recipe}",
+        "plan": plan.model_dump(mode="json"),
+        "recipe_file": str(recipe_path(plan.recipe)),
+        "code": {"clarifier_version": clarifier.__version__, "git_commit": _git_commit()},
+        "data": {"output": base.data.output, "sources": manifest.get("sources"), "counts": manifest["counts"],
+                 "silver_grounding": manifest.get("silver_grounding")},
+        "eval_set": {"n": len(examples), "by_source": {s: {"n": n, "clarify": c} for s, (n, c) in by_source.items()},
+                     "split": base.eval.split, "per_source_cap": plan.eval_per_source,
+                     "clarify_share": plan.eval_clarify_share,
+                     "split_by_source": {s: {"n": sum(source_of(e) == s for e in test),
+                                             "clarify": sum(source_of(e) == s and e.needs_clarification for e in test)}
+                                         for s in by_source}},
+        "semantic_encoder": sim_info,
+        "rows": rows,
+        "leave_one_out": loo,
+        "error_analysis": errors,
+    }

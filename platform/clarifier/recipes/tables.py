@@ -1,0 +1,166 @@
+"""The recipe benchmark's report: JSON as measured, Markdown tables for the README. Pure apart from writing."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+# (header, path into one row's metrics)
+MAIN_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
+    ("F1", ("decision", "f1")),
+    ("P", ("decision", "precision")),
+    ("R", ("decision", "recall")),
+    ("over-ask", ("decision", "over_asking_rate")),
+    ("AUROC", ("auroc",)),
+    ("R@5% OA", ("recall_at_over_asking", "0.05")),
+    ("R@10% OA", ("recall_at_over_asking", "0.1")),
+    ("ROUGE-L", ("question", "rougeL_f")),
+    ("SemSim", ("question", "semantic_similarity")),
+    ("valid", ("validity",)),
+]
+GROUNDING_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
+    ("ground EM", ("grounding", "exact_match")),
+    ("ground F1", ("grounding", "f1")),
+]
+SOURCE_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
+    ("F1", ("decision", "f1")),
+    ("over-ask", ("decision", "over_asking_rate")),
+    ("AUROC", ("auroc",)),
+    ("R@10% OA", ("recall_at_over_asking", "0.1")),
+]
+
+
+def _get(d: Any, path: tuple[str, ...]) -> Any:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def _table(header: list[str], lines: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in lines]
+
+
+def main_table(result: dict) -> list[str]:
+    gsrc = None
+    lines = []
+    for name, row in result["rows"].items():
+        m = row["metrics"]
+        gsrc = m.get("grounding_source")
+        g = m.get(gsrc) if gsrc else None
+        thr = row.get("threshold")
+        lines.append([f"{name}", row["kind"], *(fmt(_get(m["all"], p)) for _, p in MAIN_COLUMNS),
+                      *(fmt(_get(g, p)) for _, p in GROUNDING_COLUMNS), fmt(thr)])
+    header = ["row", "kind", *(h for h, _ in MAIN_COLUMNS), *(f"{h} ({gsrc})" for h, _ in GROUNDING_COLUMNS), "threshold"]
+    return _table(header, lines)
+
+
+def source_table(result: dict) -> list[str]:
+    sources = list(result["eval_set"]["by_source"])
+    header = ["row", *(f"{s} {h}" for s in sources for h, _ in SOURCE_COLUMNS[:1] + SOURCE_COLUMNS[2:3])]
+    lines = []
+    for name, row in result["rows"].items():
+        m = row["metrics"]
+        lines.append([name, *(fmt(_get(m.get(s), p)) for s in sources for _, p in SOURCE_COLUMNS[:1] + SOURCE_COLUMNS[2:3])])
+    return _table(header, lines)
+
+
+def loo_table(result: dict, compare: tuple[str, ...] = ("joint", "lexical")) -> list[str]:
+    lines = []
+    for src, r in result.get("leave_one_out", {}).items():
+        lines.append([src, f"joint without {src}", *(fmt(_get(r["left_out"], p)) for _, p in SOURCE_COLUMNS)])
+        for name, m in r["in_distribution"].items():
+            kind = result["rows"][name]["kind"]
+            if name in compare or kind == "zero-shot":
+                label = f"{name} (trained with {src})" if kind == "trained" else name
+                lines.append([src, label, *(fmt(_get(m, p)) for _, p in SOURCE_COLUMNS)])
+    return _table(["left out", "row", *(h for h, _ in SOURCE_COLUMNS)], lines)
+
+
+def error_tables(result: dict) -> list[str]:
+    from ..evaluation.error_analysis import DECISION_CATEGORIES, QUESTION_CATEGORIES
+
+    ea = result.get("error_analysis") or {}
+    if not ea:
+        return []
+    out = _table(["source", "n", "wrong decisions", *DECISION_CATEGORIES, "questions", *QUESTION_CATEGORIES],
+                 [[s, str(a["n"]), str(a["decision_errors"]), *(str(a["decision_categories"][c]) for c in DECISION_CATEGORIES),
+                   str(a["questions"]), *(str(a["question_categories"][c]) for c in QUESTION_CATEGORIES)] for s, a in ea.items()])
+    for s, a in ea.items():
+        out += ["", f"<details><summary>{s}: {len(a['decision_samples'])} sampled wrong decisions, "
+                    f"{len(a['question_samples'])} sampled questions</summary>", ""]
+        out += _table(["category", "query", "gold", "P(clarify)", "reference question", "generated question"],
+                      [[r["category"], _cell(r["query"]), "clarify" if r["gold"] else "answer", fmt(r["confidence"]),
+                        _cell(r["gold_question"]), _cell(r["question"])] for r in a["decision_samples"] + a["question_samples"]])
+        out += ["", "</details>"]
+    return out
+
+
+def _cell(text: Any, limit: int = 140) -> str:
+    t = " ".join(str(text or "").split()).replace("|", "\\|")
+    return t if len(t) <= limit else t[: limit - 1] + "…"
+
+
+def machine() -> dict:
+    info = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "platform": platform.platform(),
+            "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # pragma: no cover
+        pass
+    return info
+
+
+def markdown(result: dict) -> str:
+    m = result.get("machine", {})
+    lines = [f"# Recipe benchmark: {result['plan']['recipe']}", "",
+             f"Measured {m.get('date', '?')} on {m.get('cpus', '?')} CPUs ({m.get('platform', '?')}, GPU: {m.get('gpu')}); "
+             f"git {(result.get('code') or {}).get('git_commit')}; total {result.get('seconds_total', 0) / 60:.1f} min.", "",
+             f"Evaluation set: {result['eval_set']['n']} examples of the recipe's {result['eval_set']['split']} split, at most "
+             f"{result['eval_set']['per_source_cap']} per source"
+             + (f", {result['eval_set']['clarify_share']:.0%} of them needing clarification where the split has enough"
+                if result["eval_set"].get("clarify_share") else "") + ": "
+             + ", ".join(f"{s} {v['n']} ({v['clarify']} clarify)" for s, v in result["eval_set"]["by_source"].items()) + ".",
+             "", "## All rows, all sources", "", *main_table(result), "",
+             "Decision columns at each row's operating threshold (trained rows: calibrated on their dev split; zero-shot: "
+             "P(clarify) > P(answer)); AUROC and R@x% OA (best recall asking about at most x% of clear turns) are "
+             "threshold-free; question columns on true positives; grounding on the "
+             f"{result['plan'].get('grounding_source')} examples (gold grounding). Zero-shot rows score the decision only.",
+             "", "## Per source (F1 / AUROC)", "", *source_table(result), ""]
+    if result.get("leave_one_out"):
+        lines += ["## Leave one dataset out", "",
+                  "Each left-out source's evaluation examples, scored by the recipe trained without that source, "
+                  "beside the rows that saw it in training (or need no training).", "", *loo_table(result), ""]
+    if result.get("error_analysis"):
+        lines += [f"## Error analysis ({result['plan']['error_analysis']['row']})", "",
+                  "Rule-based categories (clarifier.evaluation.error_analysis) over all errors; samples below.", "",
+                  *error_tables(result), ""]
+    lines += ["## Stages", "", *_table(["stage", "seconds"], [[k, fmt(v)] for k, v in result.get("stages_seconds", {}).items()]), ""]
+    return "\n".join(lines)
+
+
+def write_outputs(result: dict, out: str | Path) -> dict[str, Path]:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result.setdefault("machine", machine())
+    js, md = out.with_suffix(".json"), out.with_suffix(".md")
+    js.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    md.write_text(markdown(result))
+    return {"json": js, "md": md}

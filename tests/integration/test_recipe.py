@@ -1,0 +1,94 @@
+"""The recipe benchmark end to end on a tiny model: public-dataset sources -> data jobs -> Ray Train
+runs (variant, ablation, leave-one-out) -> one evaluation set -> JSON + Markdown report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from conftest import SHARED
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+PUBLIC = SHARED / "data" / "public"
+
+
+@pytest.mark.timeout(900)
+def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_path):
+    from mlflow import MlflowClient
+
+    from clarifier.recipes.benchmark import run_benchmark
+
+    recipe = {
+        "data": {
+            "sources": [
+                {"importer": "clariq", "src": str(PUBLIC / "clariq"), "max_examples": 30},
+                {"importer": "pacific", "src": str(PUBLIC / "pacific"), "max_examples": 30},
+                {"importer": "synthetic", "options": {"conversations": 24}},
+            ],
+            "split": {"train": 0.6, "dev": 0.15, "test": 0.25},
+            "max_length": 640,
+        },
+        "model": {"base_model": str(tiny_model_dir), "max_prompt_tokens": 512,
+                  "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}},
+        "train": {"num_workers": 1, "zero_stage": 2, "max_steps": 2, "micro_batch_size": 2, "warmup_steps": 1,
+                  "decision_loss": {"kind": "weighted", "clarify_weight": "auto"}, "experiment": "recipe-test"},
+        "eval": {"batch_size": 4, "max_new_tokens": 8, "semantic_encoder": None},
+    }
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(recipe))
+    plan = {
+        "recipe": str(tmp_path / "tiny.yaml"),
+        "eval_per_source": 5,
+        "zero_shot": {"zero_shot_tiny": str(tiny_model_dir)},
+        "variants": {"joint": [], "joint_no_class_weighting": ["train.decision_loss.kind=ce"]},
+        "leave_one_out": {"sources": ["clariq"], "overrides": ["train.max_steps=1"]},
+        "error_analysis": {"row": "joint", "decisions": 3, "questions": 3},
+    }
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    messages: list[str] = []
+    result = run_benchmark(str(tmp_path / "plan.yaml"), out=tmp_path / "out" / "report", workdir=tmp_path / "work",
+                           progress=messages.append)
+
+    # every row, scored on the same evaluation set, overall and per source
+    assert list(result["rows"]) == ["never_ask", "always_ask", "lexical", "zero_shot_tiny", "joint",
+                                    "joint_no_class_weighting"]
+    by_source = result["eval_set"]["by_source"]
+    assert set(by_source) == {"clariq", "pacific", "synthetic"} and all(v["n"] <= 5 for v in by_source.values())
+    n = result["eval_set"]["n"]
+    for name, row in result["rows"].items():
+        m = row["metrics"]
+        assert m["all"]["n"] == n, name
+        assert set(m) >= {"all", "clariq", "pacific", "synthetic"}
+        assert set(m["all"]["recall_at_over_asking"]) == {"0.05", "0.1"}
+    assert result["rows"]["always_ask"]["metrics"]["all"]["decision"]["recall"] == 1.0
+    joint = result["rows"]["joint"]
+    assert joint["steps"] == 2 and 0.0 <= joint["threshold"] <= 1.0
+    client = MlflowClient()
+    assert client.get_run(joint["run_id"]).data.params["train.decision_loss.kind"] == "weighted"
+    assert client.get_run(result["rows"]["joint_no_class_weighting"]["run_id"]).data.params["train.decision_loss.kind"] == "ce"
+
+    # the data job imported every source, counting what max_examples dropped
+    src = result["data"]["sources"]
+    assert src["pacific"]["kept"] <= 30 and src["pacific"]["kept"] + src["pacific"]["dropped_by_cap"] == src["pacific"]["imported"]
+    assert src["synthetic"]["conversations"] == 24
+
+    # leave-one-out: trained without clariq, scored on the clariq evaluation examples only
+    loo = result["leave_one_out"]["clariq"]
+    assert loo["n"] == by_source["clariq"]["n"] == loo["left_out"]["n"] and loo["steps"] == 1
+    assert set(loo["in_distribution"]) == set(result["rows"])
+    manifest = json.loads((tmp_path / "work" / "loo-clariq" / "data" / "manifest.json").read_text())
+    assert "clariq" not in manifest["sources"] and set(manifest["sources"]) == {"pacific", "synthetic"}
+
+    # error analysis per source, samples capped
+    ea = result["error_analysis"]
+    assert set(ea) == set(by_source)
+    for a in ea.values():
+        assert len(a["decision_samples"]) <= 3 and a["decision_errors"] == sum(a["decision_categories"].values())
+
+    written = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert written["rows"].keys() == result["rows"].keys() and written["machine"]["cpus"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## All rows, all sources" in md and "## Leave one dataset out" in md and "joint without clariq" in md
+    assert "| zero_shot_tiny | zero-shot |" in md
+    assert any("data job" in m for m in messages)
