@@ -10,7 +10,10 @@ CPU mode (default), all on the same prepared data, model, LoRA config, micro-bat
    tracking), reading the same rows in the same order as the trainer's rank 0 with one worker;
 2. **trainer, 1 worker**: ``clarifier.train.trainer.train`` (Ray Train + DeepSpeed ZeRO-2 on gloo,
    MLflow tracking); ratio **trainer_1w / plain** is the trainer's overhead;
-3. **trainer, 2 workers**: ratio **trainer_2w / trainer_1w** is the data-parallel scaling on CPU.
+3. **trainer, 2 workers**: ratio **trainer_2w / trainer_1w** is the data-parallel scaling on CPU;
+4. **trainer, 1 worker, packed** (``--packing-block N``, 0 to skip): the data job's packed blocks of N
+   tokens (``data.packing``), ``micro_batch * max_length / N`` blocks per step so that a step holds as
+   many token slots as a padded one; ratio **packed_1w / trainer_1w** is what packing buys.
 
 Tokens/s counts non-padding tokens of all workers per optimizer step; each run's figure is the median
 over its steps after ``--warmup`` steps (start-up, model loading and the final checkpoint are
@@ -49,6 +52,8 @@ def _prepare(args, work: Path, ray_started) -> list[str]:
             "train.max_failures=0", "eval.calibration_split=null", "train.warmup_steps=2", "model.lora.dropout=0.0",
             f"train.cpus_per_worker={args.threads}", f"data.max_length={args.max_length}",
             "train.experiment=bench-training"]
+    if args.packing_block:  # the data job writes padded splits and packed blocks; each run picks one
+        base += ["data.packing.enabled=true", f"data.packing.block_length={args.packing_block}"]
     if not args.data:
         write_logs(str(work / "logs"), args.conversations, seed=0, shards=2)
         prepare(build_config({}, base), progress=lambda m: None)
@@ -126,6 +131,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (and for the plain loop)")
+    ap.add_argument("--packing-block", type=int, default=1024, help="CPU mode: also train on packed blocks of this "
+                    "many tokens (>= --max-length; 0 = skip)")
     ap.add_argument("--gpu", action="store_true", help="GPU mode: ZeRO-2 vs ZeRO-3 tokens/s and MFU")
     ap.add_argument("--gpus", type=int, default=None, help="GPU mode: workers (default: all visible GPUs)")
     ap.add_argument("--minutes", type=float, default=2.5, help="GPU mode: training time per ZeRO stage")
@@ -172,15 +179,25 @@ def main(argv=None) -> None:
         base = _prepare(args, work, True)
         plain = _plain_tps(base, args.warmup, args.threads)
         print(f"plain loop: {plain['tokens_per_s']:.0f} tokens/s", flush=True)
-        one = _trainer_tps(base, ["train.num_workers=1", "train.run_name=bench-1w"], args.warmup)
+        padded = ["data.packing.enabled=false"]
+        one = _trainer_tps(base, [*padded, "train.num_workers=1", "train.run_name=bench-1w"], args.warmup)
         print(f"trainer, 1 worker: {one['tokens_per_s']:.0f} tokens/s", flush=True)
-        two = _trainer_tps(base, ["train.num_workers=2", "train.run_name=bench-2w"], args.warmup)
+        two = _trainer_tps(base, [*padded, "train.num_workers=2", "train.run_name=bench-2w"], args.warmup)
         print(f"trainer, 2 workers: {two['tokens_per_s']:.0f} tokens/s", flush=True)
+        runs = {"plain": plain, "trainer_1w": one, "trainer_2w": two}
+        ratios = {"ratio_trainer_1w_over_plain": one["tokens_per_s"] / plain["tokens_per_s"],
+                  "ratio_2w_over_1w": two["tokens_per_s"] / one["tokens_per_s"]}
+        if args.packing_block:
+            blocks = max(1, args.micro_batch * args.max_length // args.packing_block)
+            packed = _trainer_tps(base, ["train.num_workers=1", f"train.micro_batch_size={blocks}",
+                                         "train.run_name=bench-1w-packed"], args.warmup)
+            packed["blocks_per_step"] = blocks
+            print(f"trainer, 1 worker, packed: {packed['tokens_per_s']:.0f} tokens/s", flush=True)
+            runs["trainer_1w_packed"] = packed
+            ratios["ratio_packed_over_padded_1w"] = packed["tokens_per_s"] / one["tokens_per_s"]
         result = {"mode": "cpu", "model": args.model, "steps": args.steps, "micro_batch": args.micro_batch,
                   "threads_per_worker": args.threads, "conversations": args.conversations,
-                  "runs": {"plain": plain, "trainer_1w": one, "trainer_2w": two},
-                  "ratio_trainer_1w_over_plain": one["tokens_per_s"] / plain["tokens_per_s"],
-                  "ratio_2w_over_1w": two["tokens_per_s"] / one["tokens_per_s"],
+                  "max_length": args.max_length, "packing_block": args.packing_block, "runs": runs, **ratios,
                   "notes": "tokens/s = non-padding tokens of all workers per optimizer step, median after warm-up; "
                            "the trainer's figure includes its per-step MLflow logging"}
         path = write_result("training", result, args.out)
