@@ -262,7 +262,7 @@ class Encoder:
 # ---- driver ---------------------------------------------------------------------------------
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5
@@ -590,7 +590,7 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
             "filtered with reason labelling:<rule> (labelling_filtered) instead of becoming an example"
         ),
         "config": {"data": d.model_dump(mode="json"), "tokenizer": tokenizer_info},
-        "code": {"clarifier_version": clarifier.__version__, "git_commit": _git_commit()},
+        "code": {"clarifier_version": clarifier.__version__, "git_commit": git_commit()},
         "created_at": started.isoformat(),
         "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
     }

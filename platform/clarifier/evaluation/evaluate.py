@@ -100,7 +100,7 @@ def load_eval_jsonl(uri: str, report=print) -> list[Example]:
     return read_eval_jsonl(uri, report=report)[0]
 
 
-def _similarity_fn(cfg: ClarifierConfig, progress):
+def similarity_fn_for(cfg: ClarifierConfig, progress):
     """``SentenceEncoder(...).similarity`` for the question metric, or None (disabled / not installed)."""
     if not cfg.eval.semantic_encoder:
         return None, "disabled (eval.semantic_encoder is null)"
@@ -175,7 +175,7 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     if cfg.eval.engine == "local":
         engine = ClarifierEngine.from_folder(resolved.folder, version=resolved.version, cache_dir=cfg.model.cache_dir,
                                              max_new_tokens=cfg.eval.max_new_tokens)
-    sim_fn, sim_info = _similarity_fn(cfg, progress)
+    sim_fn, sim_info = similarity_fn_for(cfg, progress)
     models: dict[str, dict] = {}
     t0 = time.time()
     preds = _predict(cfg, spec, examples, engine=engine, progress=progress, bar=bar("model"))

@@ -45,7 +45,7 @@ PLOT_FILES = {
 }
 
 
-def _get(d: Any, path: tuple[str, ...]) -> Any:
+def metric_at(d: Any, path: tuple[str, ...]) -> Any:
     for key in path:
         if not isinstance(d, dict) or key not in d:
             return None
@@ -53,7 +53,7 @@ def _get(d: Any, path: tuple[str, ...]) -> Any:
     return d
 
 
-def _fmt(v: Any) -> str:
+def fmt_metric(v: Any) -> str:
     if v is None:
         return "n/a"
     if isinstance(v, bool):
@@ -77,7 +77,7 @@ def _rows(report: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for name, entry in _models(report).items():
         metrics = (entry or {}).get("metrics") or {}
-        rows.append([str(name)] + [_fmt(_get(metrics, path)) for _, path in COLUMNS])
+        rows.append([str(name)] + [fmt_metric(metric_at(metrics, path)) for _, path in COLUMNS])
     return header, rows
 
 
@@ -106,7 +106,7 @@ def _markdown_table(report: dict) -> str:
 def _skipped_line(report: dict) -> str:
     parts = []
     for name, entry in _models(report).items():
-        g = _get((entry or {}).get("metrics") or {}, ("grounding",)) or {}
+        g = metric_at((entry or {}).get("metrics") or {}, ("grounding",)) or {}
         parts.append(f"{name}: {g.get('skipped', 'n/a')} skipped of {_fmt_count(g)} true positives")
     return (
         "Grounding EM is scored on true positives with annotated gold grounding turns; rows "
@@ -187,7 +187,7 @@ def _plot(report: dict, out_dir: Path) -> dict[str, Path]:
         rec = [r["recall"] for r in sweep]
         (line,) = ax_pr.plot(rec, [r["precision"] for r in sweep], marker=".", label=name)
         ax_oa.plot([0.0] + rec[::-1], [0.0] + [r["over_asking_rate"] for r in sweep][::-1], marker=".", label=name)
-        dec = _get((models.get(name) or {}).get("metrics") or {}, ("decision",)) or {}
+        dec = metric_at((models.get(name) or {}).get("metrics") or {}, ("decision",)) or {}
         if "recall" in dec and "precision" in dec:
             ax_pr.plot([dec["recall"]], [dec["precision"]], marker="o", markersize=9, color=line.get_color(),
                        markerfacecolor="none")
@@ -205,8 +205,8 @@ def _plot(report: dict, out_dir: Path) -> dict[str, Path]:
             bins = [b for b in calibration_bins(gold, scores) if b["count"]]
         except ValueError:  # scores that are not probabilities cannot be drawn here
             continue
-        ece = _get((models.get(name) or {}).get("metrics") or {}, ("ece",))
-        label = name if ece is None else f"{name} (ECE {_fmt(ece)})"
+        ece = metric_at((models.get(name) or {}).get("metrics") or {}, ("ece",))
+        label = name if ece is None else f"{name} (ECE {fmt_metric(ece)})"
         ax_c.plot([b["mean_confidence"] for b in bins], [b["observed_rate"] for b in bins], marker="o", label=label)
     save(fig_c, ax_c, "calibration")
     return paths

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -139,17 +140,14 @@ class _Clock:
         self.stages: dict[str, float] = {}
         self.progress = progress
 
+    @contextmanager
     def stage(self, name: str):
-        clock = self
-
-        class _S:
-            def __enter__(self):
-                self.t = time.time()
-                clock.progress(f"\n== {name}  (+{time.time() - clock.t0:.0f}s)")
-
-            def __exit__(self, *exc):
-                clock.stages[name] = round(time.time() - self.t, 1)
-        return _S()
+        t = time.time()
+        self.progress(f"\n== {name}  (+{t - self.t0:.0f}s)")
+        try:
+            yield
+        finally:
+            self.stages[name] = round(time.time() - t, 1)
 
 
 def _variant_cfg(base: ClarifierConfig, recipe: str, plan: BenchmarkPlan, name: str, extra: list[str],
@@ -250,7 +248,7 @@ def _run(plan: BenchmarkPlan, workdir: Path, clock: _Clock, progress: Progress) 
     from ..data.sources import source_of
     from ..evaluation.baselines import baseline_predictions
     from ..evaluation.error_analysis import analyse
-    from ..evaluation.evaluate import _similarity_fn
+    from ..evaluation.evaluate import similarity_fn_for
 
     base = load_config(recipe_path(plan.recipe), plan.overrides)
     base.storage.root = str(workdir / "storage")
@@ -269,7 +267,7 @@ def _run(plan: BenchmarkPlan, workdir: Path, clock: _Clock, progress: Progress) 
         by_source[source_of(e)][1] += int(e.needs_clarification)
     progress(f"[recipe] evaluation set: {len(examples)} test examples: "
              + ", ".join(f"{s} {n} ({c} clarify)" for s, (n, c) in by_source.items()))
-    sim_fn, sim_info = _similarity_fn(base, progress)
+    sim_fn, sim_info = similarity_fn_for(base, progress)
 
     rows: dict[str, dict] = {}
     preds_of: dict[str, list] = {}
@@ -328,13 +326,13 @@ def _run(plan: BenchmarkPlan, workdir: Path, clock: _Clock, progress: Progress) 
                                       n_decisions=ea.decisions, n_questions=ea.questions, seed=plan.seed,
                                       similarity_fn=sim_fn, min_similarity=ea.min_similarity)
     import clarifier
-    from ..data.pipeline import _git_commit
+    from ..data.pipeline import git_commit
 
     return {
         "benchmark": f"recipe-{plan.recipe}",
         "plan": plan.model_dump(mode="json"),
         "recipe_file": str(recipe_path(plan.recipe)),
-        "code": {"clarifier_version": clarifier.__version__, "git_commit": _git_commit()},
+        "code": {"clarifier_version": clarifier.__version__, "git_commit": git_commit()},
         "data": {"output": base.data.output, "sources": manifest.get("sources"), "counts": manifest["counts"],
                  "silver_grounding": manifest.get("silver_grounding")},
         "eval_set": {"n": len(examples), "by_source": {s: {"n": n, "clarify": c} for s, (n, c) in by_source.items()},

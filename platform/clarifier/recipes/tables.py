@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import os
 import platform
 from pathlib import Path
 from typing import Any
+
+from ..evaluation.report import fmt_metric as fmt
+from ..evaluation.report import metric_at as _get
 
 # (header, path into one row's metrics)
 MAIN_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
@@ -33,22 +35,6 @@ SOURCE_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
     ("AUROC", ("auroc",)),
     ("R@10% OA", ("recall_at_over_asking", "0.1")),
 ]
-
-
-def _get(d: Any, path: tuple[str, ...]) -> Any:
-    for k in path:
-        if not isinstance(d, dict) or k not in d:
-            return None
-        d = d[k]
-    return d
-
-
-def fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    if isinstance(v, float):
-        return f"{v:.3f}"
-    return str(v)
 
 
 def _table(header: list[str], lines: list[list[str]]) -> list[str]:
