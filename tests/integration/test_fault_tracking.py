@@ -56,21 +56,21 @@ def own_mlflow(tmp_path):
 
 
 @pytest.fixture
-def mlflow_globals():
+def mlflow_globals(monkeypatch):
     """The trainer points the mlflow module at this test's server; give later tests theirs back."""
     import mlflow
     from mlflow.tracking import fluent
 
-    env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID")}
+    for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID"):  # monkeypatch puts today's values back after the test
+        if k in os.environ:
+            monkeypatch.setenv(k, os.environ[k])
+        else:
+            monkeypatch.delenv(k, raising=False)
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
     exp = fluent._active_experiment_id
     yield
-    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    mlflow.set_tracking_uri(uri)
     fluent._active_experiment_id = exp
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 @pytest.fixture
