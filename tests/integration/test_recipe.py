@@ -62,6 +62,9 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
         assert set(m) >= {"all", "clariq", "pacific", "synthetic"}
         assert set(m["all"]["recall_at_over_asking"]) == {"0.05", "0.1"}
     assert result["rows"]["always_ask"]["metrics"]["all"]["decision"]["recall"] == 1.0
+    zs = result["rows"]["zero_shot_tiny"]  # thresholded by the trained rows' calibration rule, on dev
+    assert zs["threshold"] == zs["calibration"]["threshold"] and 0.0 <= zs["threshold"] <= 1.0
+    assert zs["calibration"]["rule"] == "max_f1" and zs["calibration"]["n"] > 0
     joint = result["rows"]["joint"]
     assert joint["steps"] == 2 and 0.0 <= joint["threshold"] <= 1.0
     client = MlflowClient()

@@ -23,6 +23,15 @@ def best_f1_threshold(gold: list[bool], scores: list[float]) -> float:
     return (best["threshold"] + max(lower)) / 2 if lower else best["threshold"]
 
 
+def choose_threshold(gold: list[bool], scores: list[float], max_over_asking: float | None = None) -> tuple[float, str]:
+    """The calibration rule, on scores already computed: ``(threshold, rule name)``."""
+    if max_over_asking is None:
+        thr, rule = best_f1_threshold(gold, scores), "max_f1"
+    else:
+        thr, rule = pick_threshold(gold, scores, max_over_asking), f"over_asking<={max_over_asking}"
+    return float(min(max(thr, 0.0), 1.0)), rule
+
+
 def calibrate_model(folder: str | Path, examples, *, max_over_asking: float | None = None, cache_dir=None,
                     batch_size: int = 8, progress=print) -> dict:
     """Score ``examples`` with the model in ``folder``, choose a threshold, store it; returns a summary."""
@@ -33,11 +42,7 @@ def calibrate_model(folder: str | Path, examples, *, max_over_asking: float | No
     engine = ClarifierEngine.from_folder(folder, cache_dir=cache_dir)
     scores = engine.score_examples(examples, batch_size)
     gold = [e.needs_clarification for e in examples]
-    if max_over_asking is None:
-        thr, rule = best_f1_threshold(gold, scores), "max_f1"
-    else:
-        thr, rule = pick_threshold(gold, scores, max_over_asking), f"over_asking<={max_over_asking}"
-    thr = float(min(max(thr, 0.0), 1.0))
+    thr, rule = choose_threshold(gold, scores, max_over_asking)
     meta = read_meta(folder)
     write_meta(folder, replace(meta, threshold=thr))
     progress(f"[calibrate] threshold {thr:.3f} ({rule}) from {len(examples)} dev examples "

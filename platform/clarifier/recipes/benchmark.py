@@ -185,16 +185,33 @@ def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progres
     return preds, thr, round(time.time() - t0, 1)
 
 
-def _predict_zero_shot(base_model: str, examples: list, cfg: ClarifierConfig, progress: Progress) -> tuple[list, float]:
+def _predict_zero_shot(base_model: str, examples: list, cfg: ClarifierConfig,
+                       progress: Progress) -> tuple[list, float, dict]:
+    """The prompted base model's P(clarify) on ``examples``, thresholded like a trained model: the
+    threshold is chosen on the recipe's calibration split by the same rule (``eval.max_over_asking``)."""
+    from ..data.pipeline import load_split
+    from ..evaluation.calibrate import choose_threshold
     from ..evaluation.metrics import Prediction
     from ..inference import ClarifierEngine
 
     engine = ClarifierEngine.from_base(base_model, cache_dir=cfg.model.cache_dir, threshold=0.5)
+    calib = {"threshold": 0.5, "rule": "default (no calibration split)"}
+    split = cfg.eval.calibration_split
+    dev = load_split(cfg.data.output, split) if split else []
+    gold = [e.needs_clarification for e in dev]
+    if len(set(gold)) == 2:
+        t_cal = time.time()
+        dev_scores = engine.score_examples(dev, cfg.eval.batch_size)
+        thr, rule = choose_threshold(gold, dev_scores, cfg.eval.max_over_asking)
+        calib = {"threshold": thr, "rule": rule, "n": len(dev), "seconds": round(time.time() - t_cal, 1)}
+        progress(f"[calibrate] {base_model}: threshold {thr:.3f} ({rule}) from {len(dev)} {split} examples")
     t0 = time.time()
     scores = engine.score_examples(examples, cfg.eval.batch_size,
                                    lambda d, n: progress(f"[eval] {d}/{n}") if d == n or d % 64 == 0 else None)
     del engine
-    return [Prediction(needs_clarification=p >= 0.5, confidence=p) for p in scores], round(time.time() - t0, 1)
+    thr = calib["threshold"]
+    return ([Prediction(needs_clarification=p >= thr, confidence=p) for p in scores], round(time.time() - t0, 1),
+            calib)
 
 
 def _metrics(examples, preds, sim_fn, source_of, grounding_source) -> dict:
@@ -284,8 +301,9 @@ def _run(plan: BenchmarkPlan, workdir: Path, clock: _Clock, progress: Progress) 
             add_row(name, "rule", baseline_predictions(name, examples))
     for name, model in plan.zero_shot.items():
         with clock.stage(f"zero-shot {name} ({model})"):
-            preds, secs = _predict_zero_shot(model, examples, base, progress)
-            add_row(name, "zero-shot", preds, base_model=model, eval_seconds=secs, threshold=0.5)
+            preds, secs, calib = _predict_zero_shot(model, examples, base, progress)
+            add_row(name, "zero-shot", preds, base_model=model, eval_seconds=secs, threshold=calib["threshold"],
+                    calibration=calib)
     for name, extra in plan.variants.items():
         cfg = _variant_cfg(base, plan.recipe, plan, name, extra, workdir)
         with clock.stage(f"train {name} ({' '.join(extra) or 'the recipe'})"):

@@ -125,8 +125,8 @@ def markdown(result: dict) -> str:
                 if result["eval_set"].get("clarify_share") else "") + ": "
              + ", ".join(f"{s} {v['n']} ({v['clarify']} clarify)" for s, v in result["eval_set"]["by_source"].items()) + ".",
              "", "## All rows, all sources", "", *main_table(result), "",
-             "Decision columns at each row's operating threshold (trained rows: calibrated on their dev split; zero-shot: "
-             "P(clarify) > P(answer)); AUROC and R@x% OA (best recall asking about at most x% of clear turns) are "
+             "Decision columns at each row's operating threshold (trained and zero-shot rows: chosen on the dev split by "
+             "the same calibration rule; zero-shot scores are P(clarify) / (P(clarify) + P(answer))); AUROC and R@x% OA (best recall asking about at most x% of clear turns) are "
              "threshold-free; question columns on true positives; grounding on the "
              f"{result['plan'].get('grounding_source')} examples (gold grounding). Zero-shot rows score the decision only.",
              "", "## Per source (F1 / AUROC)", "", *source_table(result), ""]
