@@ -19,12 +19,15 @@ Tokens/s counts non-padding tokens of all workers per optimizer step; each run's
 over its steps after ``--warmup`` steps (start-up, model loading and the final checkpoint are
 outside it). Every worker and the plain loop use ``--threads`` torch threads.
 
-GPU mode (``--gpu``): the trainer with ``train.use_gpu`` (bf16) on all visible GPUs, ZeRO-2 then
-ZeRO-3, each for ``--minutes`` of training (``train.max_minutes``); tokens/s and MFU =
+GPU mode (``--gpu``): the trainer with ``train.use_gpu`` (bf16) on all visible GPUs, for each of
+``--gpu-models`` (default SmolLM2-135M and the 2x larger Gemma 3 270M, both built in: no network
+needed) ZeRO-2 then ZeRO-3, each for ``--minutes`` of training (``train.max_minutes``); tokens/s and MFU =
 ``flops_per_token * tokens/s / (n_gpus * peak)``, with ``flops_per_token = 4 * n_params`` (LoRA:
 forward 2N plus the activation-gradient half of backward 2N; frozen weights get no weight-gradient
 GEMMs; +2N with gradient checkpointing; attention-score FLOPs ignored) and ``--peak-tflops`` per GPU
-(default 989, H100/H200 dense bf16). Two runs of ``--minutes 2.5`` plus start-up fit in 8 minutes.
+(default 989, H100/H200 dense bf16). Four runs of ``--minutes 1`` plus start-up (a data job per model,
+~30 s of worker start and model load per run) are meant to fit in 8 minutes; pass a hub id or folder
+to ``--gpu-models`` for a larger base where the machine can reach it.
 """
 
 from __future__ import annotations
@@ -135,7 +138,9 @@ def main(argv=None) -> None:
                     "many tokens (>= --max-length; 0 = skip)")
     ap.add_argument("--gpu", action="store_true", help="GPU mode: ZeRO-2 vs ZeRO-3 tokens/s and MFU")
     ap.add_argument("--gpus", type=int, default=None, help="GPU mode: workers (default: all visible GPUs)")
-    ap.add_argument("--minutes", type=float, default=2.5, help="GPU mode: training time per ZeRO stage")
+    ap.add_argument("--gpu-models", nargs="+", default=None, help="GPU mode: base models, smallest first (default: "
+                    "smollm2-135m-instruct gemma3-270m, both built in, so the run needs no network)")
+    ap.add_argument("--minutes", type=float, default=1.0, help="GPU mode: training time per model and ZeRO stage")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="GPU mode: peak dense bf16 TFLOP/s per GPU")
     ap.add_argument("--out", default=None, help="result file (default benchmarks/results/training[-gpu].json)")
     args = ap.parse_args(argv)
@@ -157,22 +162,28 @@ def main(argv=None) -> None:
             raise SystemExit("--gpu: no GPU visible")
         ray.init(address="local", num_cpus=max(os.cpu_count() or 4, n_gpu * (args.threads + 1)), num_gpus=n_gpu,
                  include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-        base = _prepare(args, work, True)
-        base += ["train.use_gpu=true", f"train.num_workers={n_gpu}", f"train.max_minutes={args.minutes}",
-                 "train.max_steps=100000"]
-        n_params = _n_params(args.model)
-        flops_per_token = 4 * n_params
-        runs = {}
-        for stage in (2, 3):
-            r = _trainer_tps(base, [f"train.zero_stage={stage}", f"train.run_name=bench-zero{stage}-{int(time.time())}"],
-                             args.warmup)
-            r["mfu"] = flops_per_token * r["tokens_per_s"] / (n_gpu * args.peak_tflops * 1e12)
-            runs[f"zero{stage}"] = r
-            print(f"ZeRO-{stage}: {r['tokens_per_s']:.0f} tokens/s, MFU {r['mfu']:.2%}", flush=True)
-        result = {"mode": "gpu", "gpus": n_gpu, "model": args.model, "n_params": n_params,
-                  "flops_per_token": flops_per_token, "peak_tflops_per_gpu": args.peak_tflops,
-                  "micro_batch": args.micro_batch, "minutes_per_stage": args.minutes, "runs": runs,
-                  "ratio_zero3_over_zero2": runs["zero3"]["tokens_per_s"] / runs["zero2"]["tokens_per_s"]}
+        models = args.gpu_models or ["smollm2-135m-instruct", "gemma3-270m"]
+        if args.data and len(models) > 1:
+            raise SystemExit("--data holds one tokenizer's token ids: pass a single --gpu-models with it")
+        result = {"mode": "gpu", "gpus": n_gpu, "peak_tflops_per_gpu": args.peak_tflops, "micro_batch": args.micro_batch,
+                  "max_length": args.max_length, "minutes_per_stage": args.minutes, "models": {}}
+        for model in models:  # each model: its own data job (its tokenizer), then ZeRO-2 and ZeRO-3
+            args.model = model
+            base = _prepare(args, work / model.replace("/", "_"), True)
+            base += ["train.use_gpu=true", f"train.num_workers={n_gpu}", f"train.max_minutes={args.minutes}",
+                     "train.max_steps=100000"]
+            n_params = _n_params(model)
+            flops_per_token = 4 * n_params
+            runs = {}
+            for stage in (2, 3):
+                r = _trainer_tps(base, [f"train.zero_stage={stage}",
+                                        f"train.run_name=bench-{model.replace('/', '_')}-zero{stage}-{int(time.time())}"],
+                                 args.warmup)
+                r["mfu"] = flops_per_token * r["tokens_per_s"] / (n_gpu * args.peak_tflops * 1e12)
+                runs[f"zero{stage}"] = r
+                print(f"{model} ZeRO-{stage}: {r['tokens_per_s']:.0f} tokens/s, MFU {r['mfu']:.2%}", flush=True)
+            result["models"][model] = {"n_params": n_params, "flops_per_token": flops_per_token, "runs": runs,
+                                       "ratio_zero3_over_zero2": runs["zero3"]["tokens_per_s"] / runs["zero2"]["tokens_per_s"]}
         path = write_result("training-gpu", result, args.out)
     else:
         init_ray(num_cpus=2 * args.threads + 2)

@@ -8,7 +8,7 @@ import torch
 
 from clarifier.config import ConfigError, build_config
 from clarifier.train.loop import (
-    PIPELINE_PARTS, batch_indices, deepspeed_config, epoch_permutation, make_batch, micro_batches_per_epoch,
+    PIPELINE_PARTS, batch_indices, canonical_train_table, deepspeed_config, epoch_permutation, make_batch, micro_batches_per_epoch,
     rng_state, segment_scale, set_rng_state,
 )
 from clarifier.train.objective import IGNORE, SEGMENT_IDS
@@ -31,6 +31,27 @@ def test_data_order_is_a_function_of_seed_and_epoch_and_skipping_reproduces_it()
         assert [[batch_indices(n, 7, world, r, mb, j) for r in range(world)] for j in range(k, 3 * per_epoch)] == full[k:]
     with pytest.raises(ValueError, match="micro-batch"):
         batch_indices(5, 0, 2, 0, 3, 0)
+
+
+def test_rows_in_any_arrival_order_give_the_same_canonical_table():
+    """Ray Data may deliver the train split's blocks in any order; the data order is defined on
+    rows sorted by id (packed blocks: by first example id), and how/what parts keep clarify rows."""
+    import pyarrow as pa
+
+    rows = [{"id": f"e{i}", "needs_clarification": i % 3 == 0, "input_ids": [i, i + 1]} for i in range(9)]
+    shuffled = [rows[i] for i in (4, 0, 8, 2, 7, 1, 6, 3, 5)]
+    a = canonical_train_table(pa.Table.from_pylist(rows), None)
+    b = canonical_train_table(pa.Table.from_pylist(shuffled), None)
+    assert a.to_pylist() == b.to_pylist() == rows
+    assert canonical_train_table(pa.Table.from_pylist(shuffled), "when").num_rows == 9
+    what = canonical_train_table(pa.Table.from_pylist(shuffled), "what")
+    assert what.column("id").to_pylist() == ["e0", "e3", "e6"]
+    blocks = pa.Table.from_pylist([{"example_ids": ["e5", "e1"], "num_tokens": 4},
+                                   {"example_ids": ["e2"], "num_tokens": 2},
+                                   {"example_ids": ["e0", "e9"], "num_tokens": 3}])
+    packed = canonical_train_table(blocks, None, packed=True)
+    assert [r[0] for r in packed.column("example_ids").to_pylist()] == ["e0", "e2", "e5"]
+    assert "_first" not in packed.column_names
 
 
 def test_pipeline_parts_keep_only_their_segments():

@@ -1,11 +1,16 @@
 """The per-worker training loop (runs inside Ray Train workers): PEFT LoRA + DeepSpeed ZeRO.
 
-Data order. Every worker reads the train split (token columns only, sorted by example id) and
-walks one global order that is a pure function of ``(train.seed, epoch)``: global micro-batch
+Data order. The driver hands the train split (token columns only) to Ray Train as a Ray Data
+dataset that is *not* split between workers (``DataConfig(datasets_to_split=[])``): every worker
+drains its ``get_dataset_shard("train")`` iterator, sorts the rows by example id, and walks one
+global order that is a pure function of ``(train.seed, epoch)``: global micro-batch
 ``j`` of an epoch is rows ``perm[j*W*B:(j+1)*W*B]`` of that epoch's permutation, rank ``r`` takes
 the ``r``-th ``B`` of them (``W`` workers, ``B`` = micro batch; the remainder of an epoch is
 dropped so every rank runs the same number of micro-batches). The data position is therefore one
 integer -- micro-batches consumed -- and skipping them reproduces the uninterrupted order exactly.
+(A split dataset -- ``streaming_split`` -- would hand rows to workers in arrival order, which
+differs between runs, so a resumed run could not continue the uninterrupted order. The price:
+every worker holds the train split's token columns in memory, ~13 bytes per token.)
 
 Every worker runs exactly ``max_steps`` optimizer steps, so collectives stay in lock-step; a time
 budget (``max_minutes``) is agreed on by an all-reduce so all ranks stop at the same step.
@@ -165,23 +170,42 @@ def make_batch(table, indices: list[int], pad_id: int, device, scale: dict[int, 
     return {k: v.to(device) for k, v in b.items()}
 
 
-def load_train_table(data_root: str, part: str | None, packed: bool = False):
-    """The train split's token columns in a canonical order (by example id); pipeline parts that
-    train only clarification segments keep only the examples that have them. ``packed``: the
-    data job's packed blocks instead (ordered by their first example id)."""
+def canonical_train_table(table, part: str | None, packed: bool = False):
+    """The train split's token columns in the canonical order the data order is defined on (by
+    example id; packed blocks by their first example id), whatever order the reader delivered them
+    in. Pipeline parts that train only clarification segments keep only the examples that have them."""
     import pyarrow.compute as pc
 
-    from ..data.pipeline import PACKED_DIR, read_split_table
-
     if packed:
-        table = read_split_table(data_root, PACKED_DIR, columns=["example_ids", "num_tokens", *PACKED_COLUMNS])
         first = pc.list_element(table["example_ids"], 0)
         return table.take(pc.sort_indices(table.append_column("_first", first), sort_keys=[("_first", "ascending")]))
-    table = read_split_table(data_root, "train", columns=TRAIN_COLUMNS)
     table = table.take(pc.sort_indices(table, sort_keys=[("id", "ascending")]))
     if part in ("how", "what"):
         table = table.filter(pc.equal(table["needs_clarification"], True))
     return table
+
+
+def train_columns(packed: bool) -> list[str]:
+    return ["example_ids", "num_tokens", *PACKED_COLUMNS] if packed else TRAIN_COLUMNS
+
+
+def load_train_table(data_root: str, part: str | None, packed: bool = False):
+    """The train split read directly with pyarrow (the benchmarks' plain loop; the Ray Train
+    workers receive the same rows through Ray Data, see :func:`shard_to_table`)."""
+    from ..data.pipeline import PACKED_DIR, read_split_table
+
+    table = read_split_table(data_root, PACKED_DIR if packed else "train", columns=train_columns(packed))
+    return canonical_train_table(table, part, packed)
+
+
+def shard_to_table(shard):
+    """Drain a Ray Data iterator (``ray.train.get_dataset_shard``) into one Arrow table."""
+    import pyarrow as pa
+
+    batches = [b for b in shard.iter_batches(batch_size=None, batch_format="pyarrow") if b.num_rows]
+    if not batches:
+        raise RuntimeError("the train dataset given to this worker is empty")
+    return pa.concat_tables(batches, promote_options="permissive")
 
 
 # ---- RNG / optimizer state -----------------------------------------------------------------
@@ -273,7 +297,10 @@ def train_loop_per_worker(config: dict) -> None:
         config=deepspeed_config(cfg, t.max_steps),
     )
     device = engine.device
-    table = load_train_table(cfg.data.output, part, packed=cfg.data.packing.enabled)
+    # The train split arrives through Ray Data (read on the cluster by the driver's dataset, not
+    # split: every worker gets all rows and takes its share of one global order, see above).
+    table = canonical_train_table(shard_to_table(ray.train.get_dataset_shard("train")), part,
+                                  packed=cfg.data.packing.enabled)
     n_rows = table.num_rows
     per_epoch = micro_batches_per_epoch(n_rows, world, t.micro_batch_size)
     if per_epoch < 1:

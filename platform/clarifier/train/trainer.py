@@ -14,7 +14,8 @@ from pathlib import Path
 from .. import storage
 from ..config import ClarifierConfig, TrainConfig, flatten
 from ..inference import META_FILE
-from .loop import DS_DIR, PIPELINE_PARTS, RANK_DIR, STATE_FILE, resolve_decision_loss, train_loop_per_worker
+from .loop import (DS_DIR, PIPELINE_PARTS, RANK_DIR, STATE_FILE, resolve_decision_loss, train_columns,
+                   train_loop_per_worker)
 from .objective import DecisionLoss
 
 RUN_NAME_TAG = "clarifier.run_name"
@@ -226,9 +227,24 @@ def _child_run(parent_id: str, part: str, experiment: str) -> str:
             return child.info.run_id
 
 
+def train_dataset(cfg: ClarifierConfig):
+    """The data job's train split (or its packed blocks) as a Ray Data dataset, token columns only,
+    read on the cluster (local folder or ``s3://``) and materialized in the object store before the
+    workers take their CPUs/GPUs: the workers' ``get_dataset_shard`` iterators then only fetch
+    blocks (no read tasks competing with training for resources), and a restarted worker group
+    reads the same blocks again."""
+    import ray.data
+
+    from ..data.pipeline import PACKED_DIR
+
+    packed = cfg.data.packing.enabled
+    fs, path = storage.filesystem(storage.join(cfg.data.output, PACKED_DIR if packed else "train"))
+    return ray.data.read_parquet(path, filesystem=fs, columns=train_columns(packed)).materialize()
+
+
 def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str | None, decision, ray_name: str,
          storage_path: str, n_train: int, progress):
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     t = cfg.train
@@ -240,6 +256,8 @@ def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str 
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow_run_id": run_id, "tracking_uri": tracking_uri,
                            "part": part, "decision_loss": asdict(decision)},
         scaling_config=scaling,
+        # Not split: every worker takes its rows of one seeded global order (exact resume; loop.py).
+        datasets={"train": train_dataset(cfg)}, dataset_config=DataConfig(datasets_to_split=[]),
         torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
         run_config=RunConfig(name=ray_name, storage_path=storage_path,
                              failure_config=FailureConfig(max_failures=t.max_failures),
