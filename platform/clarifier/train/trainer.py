@@ -99,8 +99,9 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
     t0 = time.time()
     out = Path(tempfile.mkdtemp(prefix="clarifier-model-"))
     tracking: dict[str, dict] = {}  # MLflow run id -> tracking stats of the fit that logged to it
+    dataset = train_dataset(cfg)  # read once; pipeline parts pick their rows in the workers
     if t.variant == "joint":
-        result = _fit(cfg, None, run_id, tracking_uri, decision, ray_name, storage_path, n_train, progress)
+        result = _fit(cfg, None, run_id, tracking_uri, decision, ray_name, storage_path, dataset, n_train, progress)
         steps = _copy_model(result, out)
         tracking[run_id] = _tracking_stats(result)
     else:
@@ -109,7 +110,7 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
         for part in PIPELINE_PARTS:
             child = _child_run(run_id, part, t.experiment)
             result = _fit(cfg, part, child, tracking_uri, decision if part == "when" else DecisionLoss(),
-                          f"{ray_name}-{part}", storage_path, n_train, progress)
+                          f"{ray_name}-{part}", storage_path, dataset, n_train, progress)
             steps += _copy_model(result, out / part)
             tracking[child] = {**_tracking_stats(result), "part": part}
             parts[part] = {"folder": part, "segments": list(PIPELINE_PARTS[part]), "mlflow_run_id": child}
@@ -243,7 +244,7 @@ def train_dataset(cfg: ClarifierConfig):
 
 
 def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str | None, decision, ray_name: str,
-         storage_path: str, n_train: int, progress):
+         storage_path: str, dataset, n_train: int, progress):
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -257,7 +258,7 @@ def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str 
                            "part": part, "decision_loss": asdict(decision)},
         scaling_config=scaling,
         # Not split: every worker takes its rows of one seeded global order (exact resume; loop.py).
-        datasets={"train": train_dataset(cfg)}, dataset_config=DataConfig(datasets_to_split=[]),
+        datasets={"train": dataset}, dataset_config=DataConfig(datasets_to_split=[]),
         torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
         run_config=RunConfig(name=ray_name, storage_path=storage_path,
                              failure_config=FailureConfig(max_failures=t.max_failures),
