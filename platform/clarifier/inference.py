@@ -2,7 +2,8 @@
 
 Decision fast path: every request costs one forward pass that reads P(clarify) from the logits of
 the first token after the fixed target prefix ``decision:``; only requests at or above the
-threshold are decoded further (grounding, then question). Malformed generations fall back to
+threshold are decoded further (grounding, then question); the grounding line is constrained to the
+request's turns and passages (``grounding_constraint``). Malformed generations fall back to
 "no clarification" with ``valid_output=False`` -- never an exception.
 
 A *model folder* (what training writes and the registry stores) holds a PEFT LoRA adapter
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
+from .grounding_constraint import GroundingConstraint
 from .prompt import PromptOptions, render_prompt
 from .schema import ClarifyRequest, ClarifyResponse, Grounding
 from .target import ANSWER, CLARIFY, DECISION_PREFIX, try_parse_target
@@ -37,6 +39,13 @@ class ModelMeta:
 
     def prompt_options(self) -> PromptOptions:
         return PromptOptions(**(self.prompt or {}))
+
+
+def end_at_question_line(generated: str) -> str:
+    """Stop-sequence semantics: the output ends with the question line (a newline after it ends it)."""
+    i = generated.find("question:")
+    j = generated.find("\n", i) if i >= 0 else -1
+    return generated[:j] if j >= 0 else generated
 
 
 def write_meta(folder: str | Path, meta: ModelMeta) -> None:
@@ -61,7 +70,8 @@ def refuse_pickles(folder: str | Path) -> None:
 
 class ClarifierEngine:
     def __init__(self, model, tokenizer, *, threshold: float = 0.5, version: str = "local",
-                 prompt_opts: PromptOptions | None = None, max_new_tokens: int = 48):
+                 prompt_opts: PromptOptions | None = None, max_new_tokens: int = 48,
+                 constrain_grounding: bool = True):
         import torch
 
         self.model = model.eval()
@@ -71,6 +81,7 @@ class ClarifierEngine:
         self.version = version
         self.opts = prompt_opts or PromptOptions()
         self.max_new_tokens = max_new_tokens
+        self.constrain_grounding = constrain_grounding
         self._torch = torch
         self.device = next(model.parameters()).device
         prefix = self.tok(DECISION_PREFIX, add_special_tokens=False)["input_ids"]
@@ -156,9 +167,19 @@ class ClarifierEngine:
             out = self.model.generate(
                 **enc, max_new_tokens=self.max_new_tokens, do_sample=False,
                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
+                logits_processor=self._grounding_constraint(enc, items),
             )
         new = out[:, enc["input_ids"].shape[1]:]
-        return [head + s for s in self.tok.batch_decode(new, skip_special_tokens=True)]
+        return [head + end_at_question_line(s) for s in self.tok.batch_decode(new, skip_special_tokens=True)]
+
+    def _grounding_constraint(self, enc, items):
+        """The grounding line may only name turns and passages the request has (``grounding_constraint``)."""
+        from transformers import LogitsProcessorList
+
+        if not self.constrain_grounding:
+            return None
+        return LogitsProcessorList([GroundingConstraint(
+            self.tok, enc["input_ids"].shape[1], [(len(h), [x.id for x in (p or [])]) for h, _, p in items])])
 
     def clarify(self, requests: list[ClarifyRequest], threshold: float | None = None) -> list[ClarifyResponse]:
         """Answer serving requests: decision for all, question only for those above the threshold."""

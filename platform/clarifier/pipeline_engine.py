@@ -61,13 +61,14 @@ class PipelineEngine(ClarifierEngine):
         self.model.set_adapter("when")
         return super().score(items)
 
-    def _continue(self, texts: list[str], adapter: str, one_line: bool) -> list[str]:
+    def _continue(self, texts: list[str], adapter: str, one_line: bool, items=None) -> list[str]:
         self.model.set_adapter(adapter)
         with self._torch.inference_mode():
             enc = self._encode(texts)
             out = self.model.generate(
                 **enc, max_new_tokens=self.max_new_tokens, do_sample=False,
                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
+                logits_processor=self._grounding_constraint(enc, items) if items is not None else None,
             )
         new = self.tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         return [s.split("\n", 1)[0] if one_line else s for s in new]
@@ -78,6 +79,6 @@ class PipelineEngine(ClarifierEngine):
             return []
         head = f"{DECISION_PREFIX} {CLARIFY}\n"
         prompts = [self._prompt(h, q, p) + head for h, q, p in items]
-        grounding = self._continue(prompts, "how", one_line=True)
+        grounding = self._continue(prompts, "how", one_line=True, items=items)
         questions = self._continue([p + g + "\n" for p, g in zip(prompts, grounding)], "what", one_line=False)
         return [head + g + "\n" + q for g, q in zip(grounding, questions)]

@@ -366,3 +366,39 @@ def test_small_fixed_set_every_metric_by_hand():
     assert m["grounding"]["exact_match"] == pytest.approx(2 / 3)
     assert m["grounding"]["f1"] == pytest.approx((1 + 1 + 2 / 3) / 3)
     assert m["validity"] == 1.0
+
+
+# ---- paired bootstrap ------------------------------------------------------------------------
+
+
+def test_paired_bootstrap_separates_a_real_difference_from_a_tie():
+    from clarifier.evaluation.metrics import paired_bootstrap
+
+    import random
+
+    rng = random.Random(1)
+    gold = [i % 3 == 0 for i in range(150)]
+    perfect = (gold, [1.0 if g else 0.0 for g in gold])
+    noise_scores = [rng.random() for _ in gold]
+    noise = ([s > 0.5 for s in noise_scores], noise_scores)
+    out = paired_bootstrap(gold, {"perfect": perfect, "noise": noise, "perfect_again": perfect},
+                           reference="perfect", n_resamples=200, seed=0)
+    s = out["systems"]
+    assert s["perfect"]["f1"] == [1.0, 1.0] and s["perfect"]["auroc"] == [1.0, 1.0]
+    assert "f1_diff" not in s["perfect"]
+    assert s["perfect_again"]["f1_diff"] == [0.0, 0.0]  # paired: identical systems differ by exactly 0
+    lo, hi = s["noise"]["f1_diff"]
+    assert hi < 0 and s["noise"]["auroc_diff"][1] < 0  # the interval excludes 0
+    lo, hi = s["noise"]["auroc"]
+    assert lo < 0.5 < hi or abs(0.5 - (lo + hi) / 2) < 0.15
+    assert out == paired_bootstrap(gold, {"perfect": perfect, "noise": noise, "perfect_again": perfect},
+                                   reference="perfect", n_resamples=200, seed=0)
+
+
+def test_paired_bootstrap_rejects_bad_input():
+    from clarifier.evaluation.metrics import paired_bootstrap
+
+    with pytest.raises(ValueError, match="noise decisions"):
+        paired_bootstrap([True, False], {"noise": ([True], [0.1, 0.2])})
+    with pytest.raises(ValueError, match="reference 'joint'"):
+        paired_bootstrap([True, False], {"noise": ([True, False], [0.1, 0.2])}, reference="joint")

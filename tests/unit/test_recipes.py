@@ -203,6 +203,13 @@ def test_tables_render_every_row():
     md = markdown(result)
     assert "| joint | trained | 0.500 | 0.500 | 0.500 | 0.100 | 0.700 | 0.200 | 0.400 | n/a |" in md
     assert "| a | joint without a | 0.500 |" in md and "| a | joint (trained with a) |" in md
+    assert "bootstrap" not in md  # no intervals measured, no section
+    result["uncertainty"] = {"reference": "joint", "n_resamples": 10, "level": 0.95, "seed": 0, "systems": {
+        "lexical": {"f1": [0.4, 0.6], "auroc": None, "f1_diff": [-0.1, 0.05], "auroc_diff": None},
+        "joint": {"f1": [0.45, 0.55], "auroc": [0.6, 0.8]}}}
+    md = markdown(result)
+    assert "| lexical | 0.500 | [0.400, 0.600] | 0.700 | n/a | [-0.100, 0.050] | n/a |" in md
+    assert "| joint | 0.500 | [0.450, 0.550] | 0.700 | [0.600, 0.800] | (reference) | (reference) |" in md
 
 
 def test_cli_train_recipe_conflicts_with_config(tmp_path):

@@ -312,6 +312,14 @@ def _run(plan: BenchmarkPlan, workdir: Path, clock: _Clock, progress: Progress) 
             preds, thr, secs = _predict_model(tr["model_dir"], examples, cfg, progress)
             add_row(name, "trained", preds, overrides=extra, threshold=thr, eval_seconds=secs, **tr)
 
+    from ..evaluation.metrics import paired_bootstrap
+
+    gold = [bool(e.needs_clarification) for e in examples]
+    uncertainty = paired_bootstrap(
+        gold, {name: ([bool(p.needs_clarification) for p in preds], [float(p.confidence) for p in preds])
+               for name, preds in preds_of.items()},
+        reference=next((n for n in plan.variants if n in preds_of), None), seed=plan.seed)  # the recipe as shipped
+
     loo: dict[str, dict] = {}
     for src in plan.leave_one_out.sources:
         cfg = without_source(_variant_cfg(base, plan.recipe, plan, f"loo-{src}", plan.leave_one_out.overrides, workdir),
@@ -361,6 +369,7 @@ def _run(plan: BenchmarkPlan, workdir: Path, clock: _Clock, progress: Progress) 
                                          for s in by_source}},
         "semantic_encoder": sim_info,
         "rows": rows,
+        "uncertainty": uncertainty,
         "leave_one_out": loo,
         "error_analysis": errors,
     }

@@ -77,6 +77,28 @@ def loo_table(result: dict, compare: tuple[str, ...] = ("joint", "lexical")) -> 
     return _table(["left out", "row", *(h for h, _ in SOURCE_COLUMNS)], lines)
 
 
+def _ci(iv) -> str:
+    return "n/a" if not iv else f"[{iv[0]:.3f}, {iv[1]:.3f}]"
+
+
+def uncertainty_table(result: dict) -> list[str]:
+    u = result.get("uncertainty") or {}
+    if not u.get("systems"):
+        return []
+    ref = u.get("reference")
+    header = ["row", "F1", "F1 95% CI", "AUROC", "AUROC 95% CI"]
+    if ref:
+        header += [f"F1 - {ref}", f"AUROC - {ref}"]
+    lines = []
+    for name, iv in u["systems"].items():
+        m = result["rows"][name]["metrics"]["all"]
+        line = [name, fmt(_get(m, ("decision", "f1"))), _ci(iv["f1"]), fmt(_get(m, ("auroc",))), _ci(iv["auroc"])]
+        if ref:
+            line += ["(reference)", "(reference)"] if name == ref else [_ci(iv.get("f1_diff")), _ci(iv.get("auroc_diff"))]
+        lines.append(line)
+    return _table(header, lines)
+
+
 def error_tables(result: dict) -> list[str]:
     from ..evaluation.error_analysis import DECISION_CATEGORIES, QUESTION_CATEGORIES
 
@@ -129,7 +151,14 @@ def markdown(result: dict) -> str:
              "the same calibration rule; zero-shot scores are P(clarify) / (P(clarify) + P(answer))); AUROC and R@x% OA (best recall asking about at most x% of clear turns) are "
              "threshold-free; question columns on true positives; grounding on the "
              f"{result['plan'].get('grounding_source')} examples (gold grounding). Zero-shot rows score the decision only.",
-             "", "## Per source (F1 / AUROC)", "", *source_table(result), ""]
+             ""]
+    if result.get("uncertainty"):
+        u = result["uncertainty"]
+        lines += ["## How sure: bootstrap intervals", "",
+                  f"{u['level']:.0%} percentile intervals over {u['n_resamples']} resamples of the evaluation set, paired: "
+                  "every resample scores all rows on the same examples, so a difference whose interval contains 0 "
+                  "is not a measured difference.", "", *uncertainty_table(result), ""]
+    lines += ["## Per source (F1 / AUROC)", "", *source_table(result), ""]
     if result.get("leave_one_out"):
         lines += ["## Leave one dataset out", "",
                   "Each left-out source's evaluation examples, scored by the recipe trained without that source, "
