@@ -26,6 +26,21 @@ app.add_typer(models_app, name="models")
 app.add_typer(recipe_app, name="recipe")
 console = Console(highlight=False, soft_wrap=True)
 
+
+def exit_cleanly_on_sigterm() -> None:
+    """Turn SIGTERM (``kill``, Kubernetes, ``ray job stop``) into SystemExit, so that ``finally`` blocks run
+    and the services a command started (MLflow server, S3 server, local Ray) are stopped, not orphaned."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
+@app.callback()
+def _root() -> None:
+    exit_cleanly_on_sigterm()
+
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (see jobs/configs/).")
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. train.max_steps=20 model.lora.r=8")
 

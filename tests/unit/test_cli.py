@@ -42,3 +42,29 @@ def test_job_entrypoints_run_as_scripts():
                              timeout=120, cwd=ROOT)
         assert res.returncode == 0, res.stderr
         assert words in res.stdout, (job, res.stdout)
+
+
+def test_sigterm_runs_finally_blocks(tmp_path):
+    """A killed command still stops what it started: SIGTERM becomes SystemExit(143)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "cleaned"
+    script = (
+        "import time, pathlib\n"
+        "from clarifier.cli import exit_cleanly_on_sigterm\n"
+        "exit_cleanly_on_sigterm()\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        f"    pathlib.Path({str(marker)!r}).write_text('stopped')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    assert marker.read_text() == "stopped"
