@@ -18,12 +18,10 @@ with I a distinct turn index < len(history) and P a distinct passage id of the r
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 
 LINE_HEAD = "grounding: turns="
 PASSAGES_SEP = " passages="
-_INT = re.compile(r"0|[1-9][0-9]*")
 
 
 def _list_prefix_ok(s: str, allowed: list[str]) -> bool:
@@ -125,4 +123,3 @@ def _base_candidates(tok) -> dict[int, str]:
         for t in tok(text, add_special_tokens=False)["input_ids"]:
             pieces[t] = tok.decode([t])
     return pieces
-

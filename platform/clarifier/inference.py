@@ -18,8 +18,8 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from .grounding_constraint import GroundingConstraint
+from .models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from .prompt import PromptOptions, render_prompt
 from .schema import ClarifyRequest, ClarifyResponse, Grounding
 from .target import ANSWER, CLARIFY, DECISION_PREFIX, try_parse_target
