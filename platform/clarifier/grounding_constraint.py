@@ -78,8 +78,8 @@ class GroundingConstraint:
         self.tok = tokenizer
         self.prompt_len = prompt_len
         self.requests = requests
-        self.base = _base_candidates(tokenizer)
-        self.per_row = [self._pid_candidates(pids) for _, pids in requests]
+        base = _base_candidates(tokenizer)
+        self.candidates = [{**base, **self._pid_candidates(pids)} for _, pids in requests]
 
     def _pid_candidates(self, pids) -> dict[int, str]:
         out = {}
@@ -99,8 +99,7 @@ class GroundingConstraint:
                 continue  # not (or no longer) inside the grounding line
             rest = line[len(LINE_HEAD):]
             h, pids = self.requests[b]
-            cands = {**self.base, **self.per_row[b]}
-            ok = [t for t, s in cands.items() if s and valid_grounding_prefix(rest + s, h, pids)]
+            ok = [t for t, s in self.candidates[b].items() if s and valid_grounding_prefix(rest + s, h, pids)]
             if not ok:
                 continue  # cannot happen for a valid prefix; leave the row to the model rather than stall
             mask = torch.full_like(scores[b], float("-inf"))
