@@ -180,7 +180,7 @@ def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
           prepare: bool = typer.Option(False, "--prepare", help="Run the data job first, unless data.output already holds "
                                        "this data config's output."),
           overrides: Optional[list[str]] = OverridesArg):
-    """Ray Train job: LoRA fine-tuning on the joint objective with DeepSpeed, tracked in MLflow.
+    """Ray Train job: LoRA (or full, model.finetune=full) fine-tuning on the joint objective with DeepSpeed, tracked in MLflow.
 
     Rerunning with the same train.run_name (and storage.root) resumes from the last checkpoint."""
     from .runtime import init_ray
@@ -420,7 +420,7 @@ def recipe_list():
 
 @recipe_app.command("benchmark")
 def recipe_benchmark(plan: str = typer.Argument(..., help="Plan name (benchmarks/recipe/<name>.yaml) or file."),
-                     out: Optional[Path] = typer.Option(None, help="Output path without suffix; default benchmarks/results/recipe-<recipe>."),
+                     out: Optional[Path] = typer.Option(None, help="Output path without suffix; default benchmarks/results/recipe-<plan name>."),
                      workdir: Optional[Path] = typer.Option(None, help="Data, checkpoints and the local MLflow store; default .clarifier/recipe-benchmark/<recipe>."),
                      overrides: Optional[list[str]] = OverridesArg):
     """Train and evaluate every row of the recipe's comparison table (baselines, zero-shot, variants, ablations,

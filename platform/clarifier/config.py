@@ -156,7 +156,10 @@ class ModelConfig(_Strict):
         description="Built-in name, hub id, local folder, .gguf file or s3:// prefix.",
     )
     cache_dir: str | None = Field(None, description="Where resolved/converted base models are cached.")
-    lora: LoraConfig = LoraConfig()
+    finetune: Literal["lora", "full"] = Field(
+        "lora", description="lora: train a PEFT LoRA adapter (model.lora) on the frozen base; full: train every "
+                            "weight of the base (the model folder then holds full safetensors weights).")
+    lora: LoraConfig = Field(LoraConfig(), description="The adapter, with model.finetune=lora (ignored with full).")
     max_prompt_tokens: int = 384
 
 
@@ -332,6 +335,13 @@ class ClarifierConfig(_Strict):
     serve: ServeConfig = ServeConfig()
     tracking: TrackingConfig = TrackingConfig()
 
+    @model_validator(mode="after")
+    def _check_finetune(self):
+        if self.model.finetune == "full" and self.train.variant == "pipeline":
+            raise ValueError("model.finetune=full does not combine with train.variant=pipeline (three LoRA adapters "
+                             "on one shared base); use model.finetune=lora, or train.variant=joint")
+        return self
+
 
 # ---- loading ---------------------------------------------------------------------------------
 
@@ -382,6 +392,8 @@ def build_config(data: dict | None, overrides: list[str] | tuple[str, ...] = (),
             loc = ".".join(str(x) for x in e["loc"])
             if e["type"] == "extra_forbidden":
                 msgs.append(f"unknown config key {loc!r}")
+            elif not loc:  # a check across sections: its message names the keys
+                msgs.append(e["msg"].removeprefix("Value error, "))
             else:
                 msgs.append(f"{loc}: {e['msg']} (got {e.get('input')!r})")
         raise ConfigError(f"invalid config in {source}: " + "; ".join(msgs)) from None

@@ -6,9 +6,11 @@ threshold are decoded further (grounding, then question); the grounding line is 
 request's turns and passages (``grounding_constraint``). Malformed generations fall back to
 "no clarification" with ``valid_output=False`` -- never an exception.
 
-A *model folder* (what training writes and the registry stores) holds a PEFT LoRA adapter
-(``adapter_config.json`` + ``adapter_model.safetensors``), the tokenizer, and ``clarifier.json``
-with the base-model spec, the decision threshold and the prompt options.
+A *model folder* (what training writes and the registry stores) holds the trained weights -- a
+PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``, applied to the base
+model named in ``clarifier.json``), or, after full fine-tuning, the whole model (``config.json`` +
+``model*.safetensors``) -- the tokenizer, and ``clarifier.json`` with the base-model spec, the
+decision threshold and the prompt options.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class ModelMeta:
     base_model: str
     threshold: float = 0.5
     prompt: dict | None = None
+    finetune: str = "lora"  # how the weights were trained (model.finetune): lora | full
     format_version: int = FORMAT_VERSION
 
     def prompt_options(self) -> PromptOptions:
@@ -68,6 +71,20 @@ def refuse_pickles(folder: str | Path) -> None:
         )
 
 
+def load_weights(folder: Path, meta: ModelMeta, cache_dir=None):
+    """The model of a (non-pipeline) model folder, by what its files hold."""
+    if (folder / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        base = load_causal_lm(resolve_base_model(meta.base_model, cache_dir))
+        return PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+    if (folder / "config.json").is_file() and any(folder.glob("model*.safetensors")):
+        return load_causal_lm(str(folder))
+    raise ModelResolutionError(
+        f"{folder} holds no weights: expected a LoRA adapter (adapter_config.json + adapter_model.safetensors) or "
+        f"fully fine-tuned weights (config.json + model.safetensors); {META_FILE} says finetune={meta.finetune!r}")
+
+
 class ClarifierEngine:
     def __init__(self, model, tokenizer, *, threshold: float = 0.5, version: str = "local",
                  prompt_opts: PromptOptions | None = None, max_new_tokens: int = 48,
@@ -98,9 +115,8 @@ class ClarifierEngine:
     @classmethod
     def from_folder(cls, folder: str | Path, *, version: str = "local", cache_dir=None,
                     threshold: float | None = None, max_new_tokens: int = 48) -> "ClarifierEngine":
-        """Load base model + LoRA adapter from a Clarifier model folder (adapter merged for speed)."""
-        from peft import PeftModel
-
+        """Load a Clarifier model folder: base model + LoRA adapter (merged for speed), or the fully
+        fine-tuned weights."""
         folder = Path(folder)
         if cls is ClarifierEngine and (folder / "pipeline.json").is_file():  # train.variant=pipeline
             from .pipeline_engine import PipelineEngine
@@ -109,8 +125,7 @@ class ClarifierEngine:
                                               max_new_tokens=max_new_tokens)
         refuse_pickles(folder)
         meta = read_meta(folder)
-        base = load_causal_lm(resolve_base_model(meta.base_model, cache_dir))
-        model = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+        model = load_weights(folder, meta, cache_dir)
         tok = load_tokenizer(str(folder))
         return cls(model, tok, threshold=meta.threshold if threshold is None else threshold, version=version,
                    prompt_opts=meta.prompt_options(), max_new_tokens=max_new_tokens)

@@ -75,7 +75,7 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
     progress(f"rows read {c['rows_read']}, examples {c['examples']}, quarantined {c['quarantined']}; "
              + ", ".join(f"{s} {v['examples']}" for s, v in c["splits"].items()))
 
-    stage(4, f"Ray Train: LoRA fine-tuning of {cfg.model.base_model} with DeepSpeed ZeRO-{cfg.train.zero_stage}")
+    stage(4, f"Ray Train: {'LoRA' if cfg.model.finetune == 'lora' else 'full'} fine-tuning of {cfg.model.base_model} with DeepSpeed ZeRO-{cfg.train.zero_stage}")
     tr = train(cfg, progress=progress)
 
     stage(5, "evaluation on the held-out test split (model vs untrained base vs always-ask)")

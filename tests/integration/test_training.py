@@ -163,3 +163,52 @@ def test_pipeline_variant_trains_three_adapters_that_compose(prepared, mlflow_se
     assert len(preds) == 4 and all(0.0 <= p.confidence <= 1.0 for p in preds)
     texts = engine.generate_clarification([(e.history, e.query, e.passages) for e in examples[:2]])
     assert len(texts) == 2 and all(t.startswith("decision: clarify\n") for t in texts)
+
+
+@pytest.mark.timeout(900)
+def test_full_finetune_under_zero3_writes_whole_model_that_loads_and_registers(prepared, mlflow_server, tmp_path):
+    """model.finetune=full: every weight trains; ZeRO-3 shards are gathered into one safetensors
+    model folder (no adapter) that the engine, calibration and the registry load like an adapter."""
+    import torch
+    from mlflow import MlflowClient
+    from safetensors.torch import load_file
+
+    from clarifier.config import build_config
+    from clarifier.data.pipeline import load_split
+    from clarifier.inference import ClarifierEngine, read_meta
+    from clarifier.registry.registry import register_adapter, resolve_model_uri
+    from clarifier.train.trainer import train
+
+    cfg = build_config({}, [*prepared, "train.experiment=full-ft", "model.finetune=full", "train.zero_stage=3",
+                            "train.max_steps=3", "train.checkpoint_every=0", "train.learning_rate=0.01",
+                            "eval.calibration_split=dev"])
+    res = train(cfg, progress=print)
+    folder = Path(res.model_dir)
+    assert res.steps == 3
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert not (folder / "adapter_config.json").exists() and read_meta(folder).finetune == "full"
+
+    base = load_file(str(Path(cfg.model.base_model) / "model.safetensors"))
+    tuned = load_file(str(folder / "model.safetensors"))
+    assert {k: v.shape for k, v in tuned.items()} == {k: v.shape for k, v in base.items()}  # gathered, not shards
+    changed = [k for k in base if not torch.equal(base[k], tuned[k])]
+    assert len(changed) == len(base), sorted(set(base) - set(changed))  # every weight trained (lr 0.01)
+
+    client = MlflowClient()
+    run = client.get_run(res.run_id)
+    assert run.data.params["model.finetune"] == "full" and "calibration/threshold" in run.data.metrics
+    assert "adapter/model.safetensors" in {f.path for f in client.list_artifacts(res.run_id, "adapter")}
+
+    engine = ClarifierEngine.from_folder(folder, max_new_tokens=12)
+    loaded = dict(engine.model.named_parameters())
+    assert torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"], tuned["model.layers.0.self_attn.q_proj.weight"])
+    examples = load_split(cfg.data.output, "dev")[:4]
+    preds = engine.predict(examples, batch_size=4, threshold=0.0)
+    assert len(preds) == 4 and all(0.0 <= p.confidence <= 1.0 for p in preds)
+
+    mv = register_adapter(res.run_id, "full-ft", alias="candidate")
+    resolved = resolve_model_uri("models:/full-ft@candidate", cache_dir=tmp_path / "cache")
+    again = ClarifierEngine.from_folder(resolved.folder, max_new_tokens=12)
+    assert again.score([(e.history, e.query, e.passages) for e in examples]) == pytest.approx(
+        engine.score([(e.history, e.query, e.passages) for e in examples]), abs=1e-5)
+    assert resolved.version == f"full-ft/{mv.version}"

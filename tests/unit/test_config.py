@@ -65,3 +65,15 @@ def test_strict_spread_needs_a_node_per_worker():
     with pytest.raises(ValueError, match="STRICT_SPREAD.*only 1 node"):
         check_placement(t, [node, {"Alive": False, "Resources": {"CPU": 2.0}}, {"Alive": True, "Resources": {"CPU": 0.5}}])
     check_placement(build_config({}, ["train.num_workers=2"]).train, [node])  # PACK: one node is fine
+
+
+def test_full_finetune_is_a_choice_that_refuses_the_pipeline_variant():
+    assert build_config({}, []).model.finetune == "lora"
+    assert build_config({}, ["model.finetune=full"]).model.finetune == "full"
+    with pytest.raises(ConfigError, match="model.finetune: Input should be 'lora' or 'full'"):
+        build_config({}, ["model.finetune=qlora"])
+    with pytest.raises(ConfigError) as exc:
+        build_config({}, ["model.finetune=full", "train.variant=pipeline"])
+    msg = str(exc.value)
+    assert "model.finetune=full does not combine with train.variant=pipeline" in msg
+    assert "'storage'" not in msg  # a cross-section check names its keys, not the whole config dict

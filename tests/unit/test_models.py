@@ -133,3 +133,24 @@ def test_builtin_gemma3_converts_and_scores_zero_shot(tmp_path):
     probs = eng.score([([Turn(role="user", text="I have a router and a modem.")], "How do I reset it?", []),
                        ([], "What is the capital of France?", [])])
     assert len(probs) == 2 and all(0.0 <= p <= 1.0 for p in probs)
+
+
+def test_fully_finetuned_model_folder_loads_without_its_base(tiny_model_dir, tmp_path):
+    """A folder with whole weights (model.finetune=full) needs no base model; one without any
+    weights is a clear error, not a PEFT traceback."""
+    import shutil
+
+    from clarifier.inference import ClarifierEngine, ModelMeta, write_meta
+
+    d = tmp_path / "full"
+    shutil.copytree(tiny_model_dir, d)
+    write_meta(d, ModelMeta(base_model=str(tmp_path / "gone"), threshold=0.3, finetune="full"))  # base not needed
+    engine = ClarifierEngine.from_folder(d, max_new_tokens=4)
+    assert engine.threshold == 0.3
+    assert 0.0 <= engine.score([([], "how do I reset it?", [])])[0] <= 1.0
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(d / "clarifier.json", empty)
+    with pytest.raises(ModelResolutionError, match="holds no weights.*finetune='full'"):
+        ClarifierEngine.from_folder(empty)

@@ -181,3 +181,17 @@ def test_real_client_turns_off_mlflows_own_retries(monkeypatch):
         assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "7"
     finally:
         tr.close(0)
+
+
+def test_local_tracking_stores_are_made_absolute_for_the_workers(tmp_path):
+    """Ray Train workers run in their own working directories: a relative sqlite/file store would be
+    a different, empty store there (the default ``sqlite:///mlflow.db`` included)."""
+    from clarifier.train.trainer import absolute_tracking_uri
+
+    assert absolute_tracking_uri("sqlite:///mlflow.db", tmp_path) == f"sqlite:///{tmp_path}/mlflow.db"
+    assert absolute_tracking_uri("sqlite:////abs/m.db", tmp_path) == "sqlite:////abs/m.db"
+    assert absolute_tracking_uri("mlruns", tmp_path) == str(tmp_path / "mlruns")
+    assert absolute_tracking_uri("file:runs/x", tmp_path) == str(tmp_path / "runs" / "x")
+    assert absolute_tracking_uri("/abs/mlruns", tmp_path) == "/abs/mlruns"
+    for remote in ("http://127.0.0.1:5000", "https://mlflow.example.com", "databricks", "file:///abs/mlruns"):
+        assert absolute_tracking_uri(remote, tmp_path) == remote

@@ -227,14 +227,14 @@ def _metrics(examples, preds, sim_fn, source_of, grounding_source) -> dict:
 
 def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | Path | None = None,
                   overrides: list[str] | tuple[str, ...] = (), progress: Progress = print) -> dict:
-    """Run the plan; writes ``<out>.json`` and ``<out>.md`` (default ``benchmarks/results/recipe-<recipe>``)."""
+    """Run the plan; writes ``<out>.json`` and ``<out>.md`` (default ``benchmarks/results/recipe-<plan name>``)."""
     from ..services import mlflow_env, start_mlflow_server
 
     plan = load_plan(plan_name)
     plan = plan.model_copy(update={"overrides": [*plan.overrides, *overrides]})
     workdir = Path(workdir or f".clarifier/recipe-benchmark/{plan.recipe}").expanduser().resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    out = Path(out) if out else PLANS_DIR.parent / "results" / f"recipe-{plan.recipe}"
+    out = Path(out) if out else PLANS_DIR.parent / "results" / f"recipe-{plan_path(plan_name).stem}"
     clock = _Clock(progress)
     for k, v in mlflow_env().items():
         os.environ.setdefault(k, v)
@@ -248,6 +248,7 @@ def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | 
 
         init_ray()
         result = _run(plan, workdir, clock, progress)
+        result["benchmark"] = f"recipe-{plan_path(plan_name).stem}"
     finally:
         if server:
             server.stop()

@@ -151,7 +151,7 @@ def register_adapter(run_id: str, name: str, *, artifact_path: str = "adapter", 
     try:
         client.get_registered_model(name)
     except MlflowException:
-        client.create_registered_model(name, description="Clarifier query-clarification adapters (PEFT LoRA).")
+        client.create_registered_model(name, description="Clarifier query-clarification models (PEFT LoRA adapters or fully fine-tuned weights).")
     run = client.get_run(run_id)
     source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
     all_tags = {**lineage_tags(run_id, client=client), **{k: str(v) for k, v in (tags or {}).items()}}

@@ -1,4 +1,5 @@
-"""The per-worker training loop (runs inside Ray Train workers): PEFT LoRA + DeepSpeed ZeRO.
+"""The per-worker training loop (runs inside Ray Train workers): PEFT LoRA or full fine-tuning
+(``model.finetune``) + DeepSpeed ZeRO.
 
 Data order. The driver hands the train split (token columns only) to Ray Train as a Ray Data
 dataset that is *not* split between workers (``DataConfig(datasets_to_split=[])``): every worker
@@ -18,7 +19,8 @@ budget (``max_minutes``) is agreed on by an all-reduce so all ranks stop at the 
 Checkpoints (every ``checkpoint_every`` steps and at the end), one directory merged by Ray Train
 from every rank's files:
 
-    adapter_model.safetensors, adapter_config.json, tokenizer files, clarifier.json   (rank 0: a model folder)
+    adapter_model.safetensors, adapter_config.json, tokenizer files, clarifier.json   (rank 0: a model folder;
+        with model.finetune=full: model.safetensors + config.json instead of the adapter files)
     train_state.json          step, micro-batches consumed, samples, MLflow run id, world size   (rank 0)
     deepspeed/<tag>/...       engine.save_checkpoint from every rank (ZeRO optimizer/scheduler shards)
     rank_state/rank<r>.pt     python/numpy/torch RNG state + an optimizer-state checksum (every rank)
@@ -288,8 +290,10 @@ def train_loop_per_worker(config: dict) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     lcfg = cfg.model.lora
-    model = get_peft_model(model, LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
-                                             target_modules=lcfg.target_modules, task_type="CAUSAL_LM"))
+    full = cfg.model.finetune == "full"
+    if not full:
+        model = get_peft_model(model, LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+                                                 target_modules=lcfg.target_modules, task_type="CAUSAL_LM"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     engine, _, _, scheduler = deepspeed.initialize(
@@ -349,7 +353,7 @@ def train_loop_per_worker(config: dict) -> None:
         # server was down): the run lacks them and this attempt does not recompute them.
         tracker.note_lost_steps(range(known + 1, step + 1))
     if rank == 0:
-        _say(f"[train] {world} workers, ZeRO-{t.zero_stage}, LoRA r={lcfg.r}"
+        _say(f"[train] {world} workers, ZeRO-{t.zero_stage}, {'full fine-tuning' if full else f'LoRA r={lcfg.r}'}"
              f"{f', pipeline part {part!r}' if part else ''}: {trainable:,} trainable of {total:,} parameters; "
              f"{n_rows} rows, {per_epoch} micro-batches per epoch")
         if resumed:
@@ -419,8 +423,9 @@ def train_loop_per_worker(config: dict) -> None:
                               f"{ts['lost_values']} values)" if ts["lost_steps"] else "every step's metrics delivered"))
 
 
-def _save_adapter(engine, d: str, rank: int, zero_stage: int) -> None:
-    """Rank 0 writes the LoRA adapter (safetensors); under ZeRO-3 every rank first gathers it."""
+def _save_model(engine, d: str, rank: int, zero_stage: int) -> None:
+    """Rank 0 writes the trained weights as safetensors: the LoRA adapter (a PEFT model), or the whole
+    model (full fine-tuning); under ZeRO-3 every rank first gathers them from the shards."""
     if zero_stage == 3:
         import deepspeed
 
@@ -455,13 +460,14 @@ def _report(engine, tok, cfg: ClarifierConfig, step: int, micro: int, rank: int,
     with tempfile.TemporaryDirectory() as d:
         # Collective (every rank): ZeRO shards of optimizer / scheduler / trainable weights.
         engine.save_checkpoint(os.path.join(d, DS_DIR), tag=tag, exclude_frozen_parameters=True)
-        _save_adapter(engine, d, rank, cfg.train.zero_stage)
+        _save_model(engine, d, rank, cfg.train.zero_stage)
         os.makedirs(os.path.join(d, RANK_DIR), exist_ok=True)
         torch.save({"rng": rng_state(), "optimizer_checksum": optimizer_checksum(engine)},
                    os.path.join(d, RANK_DIR, f"rank{rank}.pt"))
         if rank == 0:
             tok.save_pretrained(d)
             write_meta(d, ModelMeta(base_model=cfg.model.base_model, threshold=cfg.eval.threshold,
+                                    finetune=cfg.model.finetune,
                                     prompt={"max_prompt_tokens": cfg.model.max_prompt_tokens}))
             state = {"step": step, "micro_batches": micro, "samples": micro * world * cfg.train.micro_batch_size,
                      "final": final, "tag": tag, "world_size": world, "zero_stage": cfg.train.zero_stage,

@@ -33,8 +33,27 @@ class TrainResult:
     tracking: dict = field(default_factory=dict)
 
 
-def _tracking_uri(cfg: ClarifierConfig) -> str | None:
-    return cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+def _tracking_uri(cfg: ClarifierConfig) -> str:
+    """The tracking URI the driver and every worker log to. Unset, it is MLflow's default (a local
+    ``sqlite:///mlflow.db``), made absolute: the workers run in Ray's own working directories and a
+    relative store would be a different, empty database there (their metrics refused: "run not found")."""
+    import mlflow
+
+    return absolute_tracking_uri(cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+                                 or mlflow.get_tracking_uri())
+
+
+def absolute_tracking_uri(uri: str, cwd: str | Path | None = None) -> str:
+    """``sqlite:///rel.db`` / ``file:rel`` / ``rel/mlruns`` -> absolute, against ``cwd``; servers unchanged."""
+    base = Path(cwd or os.getcwd())
+    if uri.split(":")[0] in ("databricks", "databricks-uc", "uc"):
+        return uri
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str(base / uri[len("sqlite:///"):])
+    if "://" not in uri:
+        path = uri[len("file:"):] if uri.startswith("file:") else uri
+        return str(path if Path(path).is_absolute() else base / path)
+    return uri
 
 
 def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
@@ -85,8 +104,7 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
     resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
 
     tracking_uri = _tracking_uri(cfg)
-    if tracking_uri:
-        mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment(t.experiment)
     run_id, resumed = _mlflow_run(cfg, manifest, data_root, decision)
     ray_name = f"train-{_slug(t.run_name)}" if t.run_name else f"train-{run_id}"
