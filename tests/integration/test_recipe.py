@@ -69,6 +69,9 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     assert joint["steps"] == 2 and 0.0 <= joint["threshold"] <= 1.0
     client = MlflowClient()
     assert client.get_run(joint["run_id"]).data.params["train.decision_loss.kind"] == "weighted"
+    # the temporary model folder is gone after evaluation; the row points at the run's logged copy
+    assert "model_dir" not in joint and joint["model_uri"] == f"runs:/{joint['run_id']}/adapter"
+    assert "adapter/clarifier.json" in {f.path for f in client.list_artifacts(joint["run_id"], "adapter")}
     assert client.get_run(result["rows"]["joint_no_class_weighting"]["run_id"]).data.params["train.decision_loss.kind"] == "ce"
 
     # the data job imported every source, counting what max_examples dropped

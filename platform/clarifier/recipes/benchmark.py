@@ -169,11 +169,16 @@ def _train(cfg: ClarifierConfig, progress: Progress) -> dict:
     prepare_if_needed(cfg, progress)
     t0 = time.time()
     res = train(cfg, progress=progress)
-    return {"run_id": res.run_id, "model_dir": res.model_dir, "steps": res.steps, "train_seconds": round(res.seconds, 1),
+    return {"run_id": res.run_id, "model_dir": res.model_dir, "model_uri": f"runs:/{res.run_id}/adapter",
+            "steps": res.steps, "train_seconds": round(res.seconds, 1),
             "seconds": round(time.time() - t0, 1)}
 
 
 def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progress: Progress) -> tuple[list, float, float]:
+    """Predictions of a freshly trained model folder, which is then deleted: it is a temporary copy
+    (0.5 GB after full fine-tuning) of what the run logged to MLflow (the row's ``model_uri``)."""
+    import shutil
+
     from ..inference import ClarifierEngine
 
     engine = ClarifierEngine.from_folder(model_dir, cache_dir=cfg.model.cache_dir, max_new_tokens=cfg.eval.max_new_tokens)
@@ -182,6 +187,7 @@ def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progres
                            progress=lambda d, n: progress(f"[eval] {d}/{n}") if d == n or d % 64 == 0 else None)
     thr = engine.threshold
     del engine
+    shutil.rmtree(model_dir, ignore_errors=True)
     return preds, thr, round(time.time() - t0, 1)
 
 
@@ -310,7 +316,7 @@ def _run(plan: BenchmarkPlan, workdir: Path, clock: _Clock, progress: Progress) 
         with clock.stage(f"train {name} ({' '.join(extra) or 'the recipe'})"):
             tr = _train(cfg, progress)
         with clock.stage(f"evaluate {name}"):
-            preds, thr, secs = _predict_model(tr["model_dir"], examples, cfg, progress)
+            preds, thr, secs = _predict_model(tr.pop("model_dir"), examples, cfg, progress)
             add_row(name, "trained", preds, overrides=extra, threshold=thr, eval_seconds=secs, **tr)
 
     from ..evaluation.metrics import paired_bootstrap
@@ -332,7 +338,7 @@ def _run(plan: BenchmarkPlan, workdir: Path, clock: _Clock, progress: Progress) 
         with clock.stage(f"leave-one-out: train without {src}"):
             tr = _train(cfg, progress)
         with clock.stage(f"leave-one-out: evaluate on {src}"):
-            preds, thr, secs = _predict_model(tr["model_dir"], held, cfg, progress)
+            preds, thr, secs = _predict_model(tr.pop("model_dir"), held, cfg, progress)
         from ..evaluation.metrics import evaluate_predictions
 
         idx = [i for i, e in enumerate(examples) if source_of(e) == src]

@@ -138,7 +138,9 @@ def machine() -> dict:
 
 def markdown(result: dict) -> str:
     m = result.get("machine", {})
-    lines = [f"# Recipe benchmark: {result['plan']['recipe']}", "",
+    plan = str(result.get("benchmark", "")).removeprefix("recipe-") or result["plan"]["recipe"]
+    title = plan if plan == result["plan"]["recipe"] else f"{plan} (recipe {result['plan']['recipe']})"
+    lines = [f"# Recipe benchmark: {title}", "",
              f"Measured {m.get('date', '?')} on {m.get('cpus', '?')} CPUs ({m.get('platform', '?')}, GPU: {m.get('gpu')}); "
              f"git {(result.get('code') or {}).get('git_commit')}; total {result.get('seconds_total', 0) / 60:.1f} min.", "",
              f"Evaluation set: {result['eval_set']['n']} examples of the recipe's {result['eval_set']['split']} split, at most "
