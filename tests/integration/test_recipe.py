@@ -97,4 +97,5 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## All rows, all sources" in md and "## Leave one dataset out" in md and "joint without clariq" in md
     assert "| zero_shot_tiny | zero-shot |" in md
+    assert result["benchmark"] == "recipe-plan" and md.startswith(f"# Recipe benchmark: plan (recipe {tmp_path / 'tiny.yaml'})")
     assert any("data job" in m for m in messages)

@@ -237,10 +237,11 @@ def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | 
     from ..services import mlflow_env, start_mlflow_server
 
     plan = load_plan(plan_name)
+    name = f"recipe-{plan_path(plan_name).stem}"
     plan = plan.model_copy(update={"overrides": [*plan.overrides, *overrides]})
     workdir = Path(workdir or f".clarifier/recipe-benchmark/{plan.recipe}").expanduser().resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    out = Path(out) if out else PLANS_DIR.parent / "results" / f"recipe-{plan_path(plan_name).stem}"
+    out = Path(out) if out else PLANS_DIR.parent / "results" / name
     clock = _Clock(progress)
     for k, v in mlflow_env().items():
         os.environ.setdefault(k, v)
@@ -253,8 +254,7 @@ def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | 
         from ..runtime import init_ray
 
         init_ray()
-        result = _run(plan, workdir, clock, progress)
-        result["benchmark"] = f"recipe-{plan_path(plan_name).stem}"
+        result = _run(plan, name, workdir, clock, progress)
     finally:
         if server:
             server.stop()
@@ -267,7 +267,7 @@ def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | 
     return result
 
 
-def _run(plan: BenchmarkPlan, workdir: Path, clock: _Clock, progress: Progress) -> dict:
+def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, progress: Progress) -> dict:
     from ..data.pipeline import load_split
     from ..data.sources import source_of
     from ..evaluation.baselines import baseline_predictions
@@ -362,7 +362,7 @@ def _run(plan: BenchmarkPlan, workdir: Path, clock: _Clock, progress: Progress) 
     from ..data.pipeline import git_commit
 
     return {
-        "benchmark": f"recipe-{plan.recipe}",
+        "benchmark": benchmark,
         "plan": plan.model_dump(mode="json"),
         "recipe_file": str(recipe_path(plan.recipe)),
         "code": {"clarifier_version": clarifier.__version__, "git_commit": git_commit()},
