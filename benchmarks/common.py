@@ -23,6 +23,7 @@ def machine_info() -> dict:
         "cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
     }
+    info.update(cpu_info())
     try:
         import torch
 
@@ -37,6 +38,26 @@ def machine_info() -> dict:
     except Exception:  # pragma: no cover
         pass
     return info
+
+
+def cpu_info() -> dict:
+    """The CPU's identity from /proc/cpuinfo: the same name ("AMD EPYC") covers generations whose bf16
+    throughput differs by 2x (family 25 = Zen 3/4, 26 = Zen 5), so family and model are recorded."""
+    out: dict = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in out:
+                    out[key] = value.strip()
+                if key == "flags":
+                    out["bf16_isa"] = [x for x in ("avx512_bf16", "amx_bf16") if x in value.split()]
+                    break
+    except OSError:
+        return {}
+    return {"cpu_model_name": out.get("model name"), "cpu_family": out.get("cpu family"),
+            "cpu_model": out.get("model"), "cpu_bf16_isa": out.get("bf16_isa", [])}
 
 
 def write_result(name: str, data: dict, out: str | Path | None = None) -> Path:

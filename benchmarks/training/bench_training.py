@@ -4,14 +4,19 @@
     .venv/bin/python benchmarks/training/bench_training.py --model <folder> --steps 8 --conversations 60  # smoke
     .venv/bin/python benchmarks/training/bench_training.py --gpu                 # GPU: ZeRO-2 vs ZeRO-3, < 8 min
 
-CPU mode (default), all on the same prepared data, model, LoRA config, micro-batch and step count:
+CPU mode (default), all on the same prepared data, model, LoRA config, micro-batch and step count
+(the defaults are the recipe's: micro-batch 2 per worker, sequences up to 448 tokens, LoRA r=16),
+in the default precision (``model.precision=auto``: bf16 on a CPU with AVX512-BF16/AMX) unless said:
 
 1. **plain**: a single-process transformers + PEFT loop (torch AdamW, no Ray, no DeepSpeed, no
-   tracking), reading the same rows in the same order as the trainer's rank 0 with one worker;
+   tracking; bf16 base with fp32 LoRA weights when the precision is bf16), reading the same rows in
+   the same order as the trainer's rank 0 with one worker;
 2. **trainer, 1 worker**: ``clarifier.train.trainer.train`` (Ray Train + DeepSpeed ZeRO-2 on gloo,
    MLflow tracking); ratio **trainer_1w / plain** is the trainer's overhead;
 3. **trainer, 2 workers**: ratio **trainer_2w / trainer_1w** is the data-parallel scaling on CPU;
-4. **trainer, 1 worker, packed** (``--packing-block N``, 0 to skip): the data job's packed blocks of N
+4. **trainer, 2 workers, fp32** (``--skip-fp32`` to skip): ratio **trainer_2w / trainer_2w_fp32**
+   is what bf16 buys (DeepSpeed's bf16 mode, fp32 master weights, optimizer state and loss);
+5. **trainer, 1 worker, packed** (``--packing-block N``, 0 to skip): the data job's packed blocks of N
    tokens (``data.packing``), ``micro_batch * max_length / N`` blocks per step so that a step holds as
    many token slots as a padded one; ratio **packed_1w / trainer_1w** is what packing buys.
 
@@ -54,7 +59,7 @@ def _prepare(args, work: Path, ray_started) -> list[str]:
             f"train.micro_batch_size={args.micro_batch}", f"train.max_steps={args.steps}", "train.checkpoint_every=0",
             "train.max_failures=0", "eval.calibration_split=null", "train.warmup_steps=2", "model.lora.dropout=0.0",
             f"train.cpus_per_worker={args.threads}", f"data.max_length={args.max_length}",
-            "train.experiment=bench-training"]
+            "train.experiment=bench-training", f"model.precision={args.precision}", "train.learning_rate=0.0015"]
     if args.packing_block:  # the data job writes padded splits and packed blocks; each run picks one
         base += ["data.packing.enabled=true", f"data.packing.block_length={args.packing_block}"]
     if not args.data:
@@ -73,10 +78,12 @@ def _trainer_tps(base: list[str], extra: list[str], warmup: int) -> dict:
     t0 = time.time()
     res = train(cfg, progress=lambda m: None)
     wall = time.time() - t0
+    print(f"  {res.steps} steps in {wall:.0f}s ({res.precision})", flush=True)
     client = MlflowClient()
     hist = sorted((m.step, m.value) for m in client.get_metric_history(res.run_id, "train/tokens_per_s"))
     vals = [v for s, v in hist if s > warmup] or [v for _, v in hist]
     return {"tokens_per_s": statistics.median(vals), "steps": res.steps, "wall_s_incl_startup": round(wall, 1),
+            "precision": res.precision,
             "per_step_tokens_per_s": [round(v, 1) for _, v in hist], "run_id": res.run_id}
 
 
@@ -87,15 +94,17 @@ def _plain_tps(base: list[str], warmup: int, threads: int) -> dict:
 
     from clarifier.config import build_config
     from clarifier.models import load_causal_lm, load_tokenizer, resolve_base_model
-    from clarifier.train.loop import batch_indices, load_train_table, make_batch
-    from clarifier.train.objective import joint_loss
+    from clarifier.train.loop import batch_indices, forward_loss, load_train_table, make_batch
+
+    from clarifier.precision import resolve_precision, torch_dtype
 
     cfg = build_config({}, base)
     t = cfg.train
     torch.set_num_threads(threads)
     torch.manual_seed(t.seed)
     path = resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
-    tok, model = load_tokenizer(path), load_causal_lm(path)
+    precision = resolve_precision(cfg.model.precision, "cpu")
+    tok, model = load_tokenizer(path), load_causal_lm(path, dtype=torch_dtype(precision))
     lc = cfg.model.lora
     model = get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
                                              target_modules=lc.target_modules, task_type="CAUSAL_LM"))
@@ -105,15 +114,15 @@ def _plain_tps(base: list[str], warmup: int, threads: int) -> dict:
     for step in range(t.max_steps):
         t0 = time.perf_counter()
         b = make_batch(table, batch_indices(table.num_rows, t.seed, 1, 0, t.micro_batch_size, step), tok.pad_token_id, "cpu")
-        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-        loss, _ = joint_loss(out.logits, b["labels"], b["loss_weights"], b["segment_ids"])
+        loss, _ = forward_loss(model, b)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         rates.append(int(b["attention_mask"].sum()) / (time.perf_counter() - t0))
     vals = rates[warmup:] or rates
-    return {"tokens_per_s": statistics.median(vals), "steps": len(rates), "per_step_tokens_per_s": [round(r, 1) for r in rates]}
+    return {"tokens_per_s": statistics.median(vals), "steps": len(rates), "precision": precision,
+            "per_step_tokens_per_s": [round(r, 1) for r in rates]}
 
 
 def _n_params(model_spec: str) -> int:
@@ -130,8 +139,10 @@ def main(argv=None) -> None:
     ap.add_argument("--conversations", type=int, default=300)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of each median")
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--max-length", type=int, default=448)
+    ap.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="model.precision of the runs")
+    ap.add_argument("--skip-fp32", action="store_true", help="CPU mode: no fp32 comparison run")
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (and for the plain loop)")
     ap.add_argument("--packing-block", type=int, default=1024, help="CPU mode: also train on packed blocks of this "
@@ -198,6 +209,12 @@ def main(argv=None) -> None:
         runs = {"plain": plain, "trainer_1w": one, "trainer_2w": two}
         ratios = {"ratio_trainer_1w_over_plain": one["tokens_per_s"] / plain["tokens_per_s"],
                   "ratio_2w_over_1w": two["tokens_per_s"] / one["tokens_per_s"]}
+        if not args.skip_fp32 and two["precision"] != "fp32":
+            fp32 = _trainer_tps(base, [*padded, "train.num_workers=2", "model.precision=fp32",
+                                       "train.run_name=bench-2w-fp32"], args.warmup)
+            print(f"trainer, 2 workers, fp32: {fp32['tokens_per_s']:.0f} tokens/s", flush=True)
+            runs["trainer_2w_fp32"] = fp32
+            ratios[f"ratio_{two['precision']}_over_fp32_2w"] = two["tokens_per_s"] / fp32["tokens_per_s"]
         if args.packing_block:
             blocks = max(1, args.micro_batch * args.max_length // args.packing_block)
             packed = _trainer_tps(base, ["train.num_workers=1", f"train.micro_batch_size={blocks}",

@@ -161,6 +161,10 @@ class ModelConfig(_Strict):
                             "weight of the base (the model folder then holds full safetensors weights).")
     lora: LoraConfig = Field(LoraConfig(), description="The adapter, with model.finetune=lora (ignored with full).")
     max_prompt_tokens: int = 384
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Numeric precision of training, calibration and evaluation: auto = bf16 where the device "
+                            "computes it natively (CUDA with bf16; a CPU with AVX512-BF16 or AMX), else fp32. "
+                            "Training keeps fp32 master weights, optimizer state and loss.")
 
 
 class LossWeights(_Strict):
@@ -296,10 +300,17 @@ class ServeConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
     cpus_per_replica: float = Field(1, gt=0)
     gpus_per_replica: float = Field(0, ge=0, description="GPUs per model replica (the model then runs on CUDA).")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Numeric precision of the model replicas: auto = bf16 where the replica's device computes "
+                            "it natively, else fp32 (the decision probability is computed in fp32 either way).")
     autoscaling: ServeAutoscalingConfig = ServeAutoscalingConfig()
     max_ongoing_requests: int = Field(8, ge=1, description="Per model replica; raised to max_batch_size if lower.")
-    max_queued_requests: int = Field(
-        64, ge=-1, description="Requests waiting for a model replica before 503; -1 = unbounded.")
+    max_queued_requests: int | None = Field(
+        None, ge=-1, description="Requests waiting for a model replica before 503 (Serve's own queue bound; -1 = "
+                                 "unbounded); null = derived from the measured throughput and serve.latency_budget_s.")
+    latency_budget_s: float = Field(
+        5.0, gt=0, description="With max_queued_requests null: admit a request only while the backlog ahead of it is "
+                               "answered within this many seconds at the measured throughput; else a fast 503.")
     max_batch_size: int = Field(8, ge=1)
     batch_wait_timeout_s: float = Field(0.05, ge=0)
     max_new_tokens: int = Field(48, ge=1)

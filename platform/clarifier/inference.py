@@ -1,10 +1,17 @@
 """The one inference engine, used by evaluation, serving and the quickstart alike.
 
 Decision fast path: every request costs one forward pass that reads P(clarify) from the logits of
-the first token after the fixed target prefix ``decision:``; only requests at or above the
-threshold are decoded further (grounding, then question); the grounding line is constrained to the
-request's turns and passages (``grounding_constraint``). Malformed generations fall back to
-"no clarification" with ``valid_output=False`` -- never an exception.
+the first token after the fixed target prefix ``decision:`` (computed in float32 from the final
+hidden state, whatever the model's precision); only requests at or above the threshold are decoded
+further (grounding, then question), and that decoding continues from the decision pass's KV cache
+(``one_prefill``): the prompt is encoded once per request, not once to decide and again to ask.
+The grounding line is constrained to the request's turns and passages (``grounding_constraint``).
+Malformed generations fall back to "no clarification" with ``valid_output=False`` -- never an
+exception.
+
+Precision: engines load in the resolved ``precision`` (``clarifier.precision``: ``auto`` = bf16 on
+a device that computes it natively, else fp32); a LoRA adapter is merged into the float32 base
+before the merged model is cast, so the weights are rounded once.
 
 A *model folder* (what training writes and the registry stores) holds the trained weights -- a
 PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``, applied to the base
@@ -19,9 +26,11 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from .grounding_constraint import GroundingConstraint
 from .models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
+from .precision import resolve_precision, torch_dtype
 from .prompt import PromptOptions, render_prompt
 from .schema import ClarifyRequest, ClarifyResponse, Grounding
 from .target import ANSWER, CLARIFY, DECISION_PREFIX, try_parse_target
@@ -38,6 +47,7 @@ class ModelMeta:
     threshold: float = 0.5
     prompt: dict | None = None
     finetune: str = "lora"  # how the weights were trained (model.finetune): lora | full
+    precision: str | None = None  # the resolved training precision (bf16 | fp32); None: written before it was recorded
     format_version: int = FORMAT_VERSION
 
     def prompt_options(self) -> PromptOptions:
@@ -71,21 +81,43 @@ def refuse_pickles(folder: str | Path) -> None:
         )
 
 
-def load_weights(folder: Path, meta: ModelMeta, cache_dir=None):
-    """The model of a (non-pipeline) model folder, by what its files hold."""
+def load_weights(folder: Path, meta: ModelMeta, cache_dir=None, dtype=None):
+    """The model of a (non-pipeline) model folder, by what its files hold, in ``dtype`` (default fp32).
+
+    A LoRA adapter is merged into the float32 base and the merged weights cast once."""
     if (folder / "adapter_config.json").is_file():
         from peft import PeftModel
 
         base = load_causal_lm(resolve_base_model(meta.base_model, cache_dir))
-        return PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+        merged = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+        return merged.to(dtype) if dtype is not None else merged
     if (folder / "config.json").is_file() and any(folder.glob("model*.safetensors")):
-        return load_causal_lm(str(folder))
+        return load_causal_lm(str(folder), dtype=dtype)
     raise ModelResolutionError(
         f"{folder} holds no weights: expected a LoRA adapter (adapter_config.json + adapter_model.safetensors) or "
         f"fully fine-tuned weights (config.json + model.safetensors); {META_FILE} says finetune={meta.finetune!r}")
 
 
+def positions_from_mask(attention_mask):
+    """Position ids of left-padded rows, as ``generate`` computes them: real tokens count from 0."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.masked_fill(attention_mask == 0, 0)
+
+
+@dataclass
+class DecisionPass:
+    """What the decision forward pass leaves for generation: its inputs and its KV cache."""
+
+    input_ids: Any  # torch.LongTensor [batch, length]: left-padded prompt + "decision:" ids
+    attention_mask: Any
+    cache: Any  # the transformers Cache of every row
+
+
 class ClarifierEngine:
+    # Generation continues from the decision pass's KV cache (the prompt is encoded once). A
+    # subclass whose decision and generation run different weights (PipelineEngine) sets False.
+    one_prefill: bool = True
+
     def __init__(self, model, tokenizer, *, threshold: float = 0.5, version: str = "local",
                  prompt_opts: PromptOptions | None = None, max_new_tokens: int = 48,
                  constrain_grounding: bool = True):
@@ -110,32 +142,40 @@ class ClarifierEngine:
         if self.clarify_id == self.answer_id:
             raise ValueError("'clarify' and 'answer' share their first token; cannot score the decision")
 
+    @property
+    def precision(self) -> str:
+        """``bf16`` or ``fp32``: the dtype the model computes in."""
+        return "bf16" if next(self.model.parameters()).dtype == self._torch.bfloat16 else "fp32"
+
     # ---- loading ------------------------------------------------------------------------------
 
     @classmethod
     def from_folder(cls, folder: str | Path, *, version: str = "local", cache_dir=None,
-                    threshold: float | None = None, max_new_tokens: int = 48) -> "ClarifierEngine":
+                    threshold: float | None = None, max_new_tokens: int = 48, precision: str = "auto",
+                    device: str = "cpu") -> "ClarifierEngine":
         """Load a Clarifier model folder: base model + LoRA adapter (merged for speed), or the fully
-        fine-tuned weights."""
+        fine-tuned weights, in ``precision`` (``auto`` / ``bf16`` / ``fp32``, resolved for ``device``)."""
         folder = Path(folder)
         if cls is ClarifierEngine and (folder / "pipeline.json").is_file():  # train.variant=pipeline
             from .pipeline_engine import PipelineEngine
 
             return PipelineEngine.from_folder(folder, version=version, cache_dir=cache_dir, threshold=threshold,
-                                              max_new_tokens=max_new_tokens)
+                                              max_new_tokens=max_new_tokens, precision=precision, device=device)
         refuse_pickles(folder)
         meta = read_meta(folder)
-        model = load_weights(folder, meta, cache_dir)
+        model = load_weights(folder, meta, cache_dir, torch_dtype(resolve_precision(precision, device)))
         tok = load_tokenizer(str(folder))
-        return cls(model, tok, threshold=meta.threshold if threshold is None else threshold, version=version,
-                   prompt_opts=meta.prompt_options(), max_new_tokens=max_new_tokens)
+        return cls(place(model, device), tok, threshold=meta.threshold if threshold is None else threshold,
+                   version=version, prompt_opts=meta.prompt_options(), max_new_tokens=max_new_tokens)
 
     @classmethod
     def from_base(cls, base_model: str, *, cache_dir=None, threshold: float = 0.5,
-                  prompt_opts: PromptOptions | None = None, max_new_tokens: int = 48) -> "ClarifierEngine":
+                  prompt_opts: PromptOptions | None = None, max_new_tokens: int = 48, precision: str = "auto",
+                  device: str = "cpu") -> "ClarifierEngine":
         """The untrained base model, prompted with the same prompt (the zero-shot baseline)."""
         path = resolve_base_model(base_model, cache_dir)
-        return cls(load_causal_lm(path), load_tokenizer(path), threshold=threshold,
+        model = load_causal_lm(path, dtype=torch_dtype(resolve_precision(precision, device)))
+        return cls(place(model, device), load_tokenizer(path), threshold=threshold,
                    version=f"base:{base_model}", prompt_opts=prompt_opts, max_new_tokens=max_new_tokens)
 
     # ---- core ---------------------------------------------------------------------------------
@@ -147,19 +187,44 @@ class ClarifierEngine:
         enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return {k: v.to(self.device) for k, v in enc.items()}
 
+    def _decide(self, items: list[tuple], keep_cache: bool = False) -> tuple[list[float], DecisionPass | None]:
+        """P(clarify) per item from one forward pass over ``prompt + "decision:"``.
+
+        The two decision logits are computed in float32 from the final hidden state (a bf16 model's
+        own logits are rounded to 8 bits of mantissa, too coarse for a calibrated threshold). With
+        ``keep_cache`` the pass also returns its inputs and KV cache for :meth:`_generate_from`.
+        """
+        torch = self._torch
+        texts = [self._prompt(h, q, p) + DECISION_PREFIX for h, q, p in items]
+        head = self.model.get_output_embeddings()
+        captured = {}
+        hook = head.register_forward_hook(lambda _m, args, _out: captured.__setitem__("h", args[0]))
+        try:
+            with torch.inference_mode():
+                enc = self._encode(texts)
+                # Only the last position's logits: with a large vocabulary (Gemma: 262k) the full
+                # [batch, length, vocab] tensor would cost most of the time and gigabytes of memory.
+                out = self.model(**enc, position_ids=positions_from_mask(enc["attention_mask"]), logits_to_keep=1,
+                                 use_cache=keep_cache)
+                hidden = captured["h"][:, -1, :].float()
+                rows = [self.clarify_id, self.answer_id]
+                pair = hidden @ head.weight[rows].float().T
+                if getattr(head, "bias", None) is not None:
+                    pair = pair + head.bias[rows].float()
+                cap = getattr(self.model.config, "final_logit_softcapping", None)
+                if cap:
+                    pair = torch.tanh(pair / cap) * cap
+                probs = torch.softmax(pair, dim=-1)[:, 0]
+        finally:
+            hook.remove()
+        state = DecisionPass(enc["input_ids"], enc["attention_mask"], out.past_key_values) if keep_cache else None
+        return [float(x) for x in probs], state
+
     def score(self, items: list[tuple]) -> list[float]:
         """P(clarify) for ``(history, query, passages)`` items: one forward pass per batch."""
         if not items:
             return []
-        texts = [self._prompt(h, q, p) + DECISION_PREFIX for h, q, p in items]
-        with self._torch.inference_mode():
-            enc = self._encode(texts)
-            # Only the last position's logits: with a large vocabulary (Gemma: 262k) the full
-            # [batch, length, vocab] tensor would cost most of the time and gigabytes of memory.
-            logits = self.model(**enc, logits_to_keep=1).logits[:, -1, :]
-            pair = logits[:, [self.clarify_id, self.answer_id]].float()
-            probs = self._torch.softmax(pair, dim=-1)[:, 0]
-        return [float(x) for x in probs]
+        return self._decide(items)[0]
 
     def score_examples(self, examples, batch_size: int = 8, progress=None) -> list[float]:
         """P(clarify) for Examples in batches of ``batch_size`` (decision only, no decoding)."""
@@ -171,21 +236,59 @@ class ClarifierEngine:
                 progress(len(scores), len(examples))
         return scores
 
-    def generate_clarification(self, items: list[tuple]) -> list[str]:
-        """Decode grounding and question after a forced ``decision: clarify`` line."""
-        if not items:
-            return []
-        head = f"{DECISION_PREFIX} {CLARIFY}\n"
-        texts = [self._prompt(h, q, p) + head for h, q, p in items]
+    def _generate_ids(self, enc: dict, items: list[tuple], cache=None):
+        """Greedy decoding after ``enc`` (prompt + forced ``decision: clarify`` line): the new token ids."""
         with self._torch.inference_mode():
-            enc = self._encode(texts)
             out = self.model.generate(
-                **enc, max_new_tokens=self.max_new_tokens, do_sample=False,
+                **enc, past_key_values=cache, max_new_tokens=self.max_new_tokens, do_sample=False,
                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
                 logits_processor=self._grounding_constraint(enc, items),
             )
-        new = out[:, enc["input_ids"].shape[1]:]
-        return [head + end_at_question_line(s) for s in self.tok.batch_decode(new, skip_special_tokens=True)]
+        return out[:, enc["input_ids"].shape[1]:]
+
+    def _texts(self, new_ids) -> list[str]:
+        head = f"{DECISION_PREFIX} {CLARIFY}\n"
+        return [head + end_at_question_line(s) for s in self.tok.batch_decode(new_ids, skip_special_tokens=True)]
+
+    def _prefill_ids(self, items: list[tuple]):
+        """New token ids decoded for ``items`` with a prefill of their own (the two-pass path)."""
+        head = f"{DECISION_PREFIX} {CLARIFY}\n"
+        return self._generate_ids(self._encode([self._prompt(h, q, p) + head for h, q, p in items]), items)
+
+    def generate_clarification(self, items: list[tuple]) -> list[str]:
+        """Decode grounding and question after a forced ``decision: clarify`` line (own prefill)."""
+        if not items:
+            return []
+        return self._texts(self._prefill_ids(items))
+
+    def _generate_from(self, state: DecisionPass, rows: list[int], items: list[tuple]) -> list[str]:
+        return self._texts(self._continue_ids(state, rows, items))
+
+    def _continue_ids(self, state: DecisionPass, rows: list[int], items: list[tuple]):
+        """:meth:`generate_clarification` for ``items`` (rows ``rows`` of the decision pass),
+        continuing from that pass's KV cache: only `` clarify\n`` is encoded, not the prompt again.
+
+        The token sequence is exactly the one :meth:`generate_clarification` would encode (checked
+        per row: where the tokenizer would merge differently across the boundary, those rows get
+        their own prefill instead), so greedy outputs are the same token for token."""
+        torch = self._torch
+        head = f"{DECISION_PREFIX} {CLARIFY}\n"
+        ids, mask = state.input_ids[rows], state.attention_mask[rows]
+        suffixes = []
+        for k, (h, q, p) in enumerate(items):
+            full = self.tok(self._prompt(h, q, p) + head, add_special_tokens=False)["input_ids"]
+            cached = ids[k][mask[k].bool()].tolist()
+            suffixes.append(full[len(cached):] if full[:len(cached)] == cached else None)
+        if any(s is None for s in suffixes) or len({tuple(s) for s in suffixes}) != 1:
+            log.debug("decision prefix tokenises differently in the full prompt; generating with a new prefill")
+            return self._prefill_ids(items)
+        suffix = torch.tensor([suffixes[0]] * len(rows), dtype=ids.dtype, device=ids.device)
+        enc = {"input_ids": torch.cat([ids, suffix], dim=1),
+               "attention_mask": torch.cat([mask, torch.ones_like(suffix, dtype=mask.dtype)], dim=1)}
+        cache = state.cache
+        if len(rows) != state.input_ids.shape[0]:  # keep only the rows that ask
+            cache.batch_select_indices(torch.tensor(rows, device=ids.device))
+        return self._generate_ids(enc, items, cache=cache)
 
     def _grounding_constraint(self, enc, items):
         """The grounding line may only name turns and passages the request has (``grounding_constraint``)."""
@@ -200,9 +303,18 @@ class ClarifierEngine:
         """Answer serving requests: decision for all, question only for those above the threshold."""
         thr = self.threshold if threshold is None else threshold
         items = [(r.history, r.query, r.passages) for r in requests]
-        probs = self.score(items)
+        if not items:
+            return []
+        probs, state = self._decide(items, keep_cache=self.one_prefill)
         ask = [i for i, p in enumerate(probs) if p >= thr]
-        gens = dict(zip(ask, self.generate_clarification([items[i] for i in ask])))
+        if not ask:
+            texts = []
+        elif state is not None:
+            texts = self._generate_from(state, ask, [items[i] for i in ask])
+        else:
+            texts = self.generate_clarification([items[i] for i in ask])
+        del state  # the KV cache: freed before the responses are built
+        gens = dict(zip(ask, texts))
         out = []
         for i, (req, p) in enumerate(zip(requests, probs)):
             if i not in gens:
@@ -237,3 +349,14 @@ class ClarifierEngine:
             if progress:
                 progress(len(preds), len(examples))
         return preds
+
+
+def place(model, device: str = "cpu"):
+    """``model`` on ``device`` (``cpu`` or ``cuda``); a clear error when CUDA is asked for and absent."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ModelResolutionError(f"device {device!r} asked for, but CUDA is not available in this process")
+        return model.to(device)
+    return model

@@ -211,7 +211,7 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_causal_lm(path: str, dtype=None):
+def load_causal_lm(path: str, dtype=None, attn_implementation: str | None = None):
     """Load a base model from a resolved path; refuses pickle-only folders (safetensors only)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -219,4 +219,5 @@ def load_causal_lm(path: str, dtype=None):
     p = Path(path)
     if p.is_dir() and not list(p.glob("*.safetensors")) and list(p.glob("*.bin")):
         raise ModelResolutionError(f"{path} holds only pickle (.bin) weights; Clarifier loads safetensors only")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, use_safetensors=True)
+    kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, use_safetensors=True, **kw)

@@ -11,7 +11,9 @@ ordinary model folder per part:
   line it decodes ``question: ...``.
 
 The three adapters share one base model in memory (PEFT named adapters, switched per stage).
-Everything else -- prompts, threshold, parsing, the response -- is :class:`ClarifierEngine`'s, so
+Generation does not continue from the decision pass's KV cache (``one_prefill`` is off): each
+part's adapter changes the attention keys and values, so a cache computed under ``when`` is not
+the prefill ``how`` or ``what`` would compute. Everything else -- prompts, threshold, parsing, the response -- is :class:`ClarifierEngine`'s, so
 evaluation and serving treat a pipeline model like a joint one.
 """
 
@@ -20,8 +22,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .inference import ClarifierEngine, read_meta, refuse_pickles
+from .inference import ClarifierEngine, place, read_meta, refuse_pickles
 from .models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
+from .precision import resolve_precision, torch_dtype
 from .target import CLARIFY, DECISION_PREFIX
 
 PIPELINE_FILE = "pipeline.json"
@@ -35,9 +38,12 @@ def is_pipeline_folder(folder: str | Path) -> bool:
 class PipelineEngine(ClarifierEngine):
     """``ClarifierEngine`` whose decision, grounding and question come from three adapters."""
 
+    one_prefill = False  # the parts' adapters change keys and values: no shared KV cache
+
     @classmethod
     def from_folder(cls, folder: str | Path, *, version: str = "local", cache_dir=None,
-                    threshold: float | None = None, max_new_tokens: int = 48) -> "PipelineEngine":
+                    threshold: float | None = None, max_new_tokens: int = 48, precision: str = "auto",
+                    device: str = "cpu") -> "PipelineEngine":
         from peft import PeftModel
 
         folder = Path(folder)
@@ -54,12 +60,13 @@ class PipelineEngine(ClarifierEngine):
         for p in ("how", "what"):
             model.load_adapter(str(folder / parts[p]["folder"]), adapter_name=p)
         tok = load_tokenizer(str(folder / parts["when"]["folder"]))
+        model = place(model.to(torch_dtype(resolve_precision(precision, device))), device)
         return cls(model, tok, threshold=meta.threshold if threshold is None else threshold, version=version,
                    prompt_opts=meta.prompt_options(), max_new_tokens=max_new_tokens)
 
-    def score(self, items: list[tuple]) -> list[float]:
+    def _decide(self, items: list[tuple], keep_cache: bool = False):
         self.model.set_adapter("when")
-        return super().score(items)
+        return super()._decide(items, keep_cache)
 
     def _continue(self, texts: list[str], adapter: str, one_line: bool, items=None) -> list[str]:
         self.model.set_adapter(adapter)

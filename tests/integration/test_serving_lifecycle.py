@@ -186,3 +186,41 @@ def test_overload_gives_503_naming_the_limit_not_timeouts(tiny_model_dir, tmp_pa
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
     assert 'clarifier_rejected_total{reason="backpressure"}' in metrics
     assert 'clarifier_requests_total{route="clarify",status="503"}' in metrics
+
+
+@pytest.mark.timeout(420)
+def test_default_queue_policy_sheds_by_the_latency_budget(tiny_model_dir, tmp_path, ray_serve, port):
+    """serve.max_queued_requests left at null: after the ingress has measured the model side's
+    throughput, a burst beyond what it answers within serve.latency_budget_s gets fast JSON 503s
+    naming latency_budget_s with a Retry-After; what is admitted is answered (200), nothing times out."""
+    from clarifier.serving.app import run_local
+
+    folder = make_adapter(tiny_model_dir, tmp_path / "budget-adapter", seed=4, threshold=0.0)
+    cfg = ServeConfig(model_uri=str(folder), port=port, max_new_tokens=64, max_ongoing_requests=1,
+                      max_batch_size=1, cpus_per_replica=0.5, latency_budget_s=0.5)
+    assert cfg.max_queued_requests is None  # the default: admission from the latency budget
+    url = run_local(cfg, ready_timeout_s=180)
+
+    def post(i):
+        try:
+            return httpx.post(f"{url}/v1/clarify", json={"history": HISTORY, "query": f"reset it? {i}"}, timeout=180)
+        except httpx.HTTPError as exc:
+            return exc
+
+    with ThreadPoolExecutor(2) as pool:  # 40 answers, two at a time: the ingress measures the rate
+        warm = list(pool.map(post, range(40)))
+    assert [r.status_code for r in warm if isinstance(r, httpx.Response)].count(200) >= 38, warm
+    with ThreadPoolExecutor(40) as pool:  # then a burst of 40 at once
+        out = list(pool.map(post, range(40, 80)))
+    errors = [r for r in out if not isinstance(r, httpx.Response)]
+    assert not errors, errors
+    codes = [r.status_code for r in out]
+    assert set(codes) <= {200, 503} and codes.count(503) >= 20 and codes.count(200) >= 1, codes
+    for r in out:
+        if r.status_code == 503:
+            d = r.json()["detail"]
+            assert d["error"] == "overloaded" and d["limit"] == "latency_budget_s" and d["max"] == 0.5, d
+            assert int(r.headers["retry-after"]) >= 1 and d["admitted_at_once"] >= 1
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert 'clarifier_rejected_total{reason="latency_budget"}' in metrics
+    assert "clarifier_measured_throughput" in metrics and "clarifier_admission_limit" in metrics

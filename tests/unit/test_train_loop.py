@@ -107,8 +107,11 @@ def test_job_configs_for_one_cpu_box_one_gpu_and_a_gpu_cluster():
     cluster = load_config(configs / "cluster-gpu.yaml").train
     assert cluster.use_gpu and cluster.num_workers == 8 and cluster.zero_stage == 3 and cluster.max_failures >= 1
     assert cluster.checkpoint_every > 0 and cluster.run_name is None  # a new run per job unless named to resume
-    ds = deepspeed_config(load_config(configs / "gpu-1.yaml", ["train.offload_optimizer=true"]), 10)
+    gpu_cfg = load_config(configs / "gpu-1.yaml", ["train.offload_optimizer=true"])
+    assert gpu_cfg.model.precision == "auto"  # bf16 on a GPU that has it (resolved in the worker)
+    ds = deepspeed_config(gpu_cfg, 10, "bf16")
     assert ds["bf16"]["enabled"] and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert not deepspeed_config(gpu_cfg, 10, "fp32")["bf16"]["enabled"]
 
 
 def test_no_warmup_is_one_flat_step_deepspeed_accepts():
@@ -120,3 +123,33 @@ def test_no_warmup_is_one_flat_step_deepspeed_accepts():
         assert sched["warmup_min_lr"] == sched["warmup_max_lr"]  # so the LR starts at its peak
     sched = deepspeed_config(build_config({}, ["train.warmup_steps=3"]), 10)["scheduler"]["params"]
     assert sched["warmup_num_steps"] == 3 and sched["warmup_min_lr"] == 0.0
+
+
+def test_target_only_logits_give_the_loss_of_full_logits(tiny_model_dir, tiny_tokenizer):
+    """Left-padded batches compute logits only in the last ``target_positions`` columns; the loss
+    and its per-segment parts equal those of the whole right-padded sequence's logits."""
+    import torch
+
+    from clarifier.data.synthetic import generate_conversations
+    from clarifier.models import load_causal_lm
+    from clarifier.prompt import PromptOptions
+    from clarifier.schema import ConversationLog
+    from clarifier.train.loop import forward_loss
+    from clarifier.train.objective import SegmentWeights, collate, encode_example, joint_loss
+
+    exs = [e for c in generate_conversations(6, seed=3) for e in ConversationLog.model_validate(c).explode()][:4]
+    rows = [encode_example(e, tiny_tokenizer, SegmentWeights(), PromptOptions(), 512) for e in exs]
+    assert len({len(r["input_ids"]) for r in rows}) > 1  # rows of different lengths: real padding
+    model = load_causal_lm(str(tiny_model_dir)).eval()
+    pad = tiny_tokenizer.pad_token_id
+    with torch.no_grad():
+        full = collate(rows, pad)
+        out = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"])
+        ref, ref_parts = joint_loss(out.logits, full["labels"], full["loss_weights"], full["segment_ids"])
+        left = collate(rows, pad, left=True)
+        loss, parts = forward_loss(model, left)
+    keep, n = int(left["target_positions"]), left["input_ids"].shape[1]
+    assert keep < n / 2  # the prompt's logits are not computed
+    assert torch.all(left["labels"][:, : n - keep] == -100)  # every target lies in the kept columns
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+    assert parts.keys() == ref_parts.keys() and all(parts[k] == pytest.approx(ref_parts[k], rel=1e-4) for k in parts)

@@ -33,18 +33,19 @@ def choose_threshold(gold: list[bool], scores: list[float], max_over_asking: flo
 
 
 def calibrate_model(folder: str | Path, examples, *, max_over_asking: float | None = None, cache_dir=None,
-                    batch_size: int = 8, progress=print) -> dict:
-    """Score ``examples`` with the model in ``folder``, choose a threshold, store it; returns a summary."""
+                    batch_size: int = 8, progress=print, precision: str = "auto") -> dict:
+    """Score ``examples`` with the model in ``folder`` (in ``precision``, as evaluation and serving
+    load it), choose a threshold, store it; returns a summary."""
     from dataclasses import replace
 
     from ..inference import ClarifierEngine, read_meta, write_meta
 
-    engine = ClarifierEngine.from_folder(folder, cache_dir=cache_dir)
+    engine = ClarifierEngine.from_folder(folder, cache_dir=cache_dir, precision=precision)
     scores = engine.score_examples(examples, batch_size)
     gold = [e.needs_clarification for e in examples]
     thr, rule = choose_threshold(gold, scores, max_over_asking)
     meta = read_meta(folder)
     write_meta(folder, replace(meta, threshold=thr))
     progress(f"[calibrate] threshold {thr:.3f} ({rule}) from {len(examples)} dev examples "
-             f"({sum(gold)} need clarification)")
-    return {"threshold": thr, "rule": rule, "n": len(examples), "positives": sum(gold)}
+             f"({sum(gold)} need clarification), scored in {engine.precision}")
+    return {"threshold": thr, "rule": rule, "n": len(examples), "positives": sum(gold), "precision": engine.precision}

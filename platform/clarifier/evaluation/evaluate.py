@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ClarifierConfig
+from ..precision import describe
 from ..schema import Example
 
 
@@ -170,11 +171,13 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     resolved = resolve_model_uri(model_uri, tracking_uri=tracking_uri)
     meta = read_meta(resolved.folder)
     spec = {"model_uri": model_uri, "tracking_uri": tracking_uri, "cache_dir": cfg.model.cache_dir,
-            "max_new_tokens": cfg.eval.max_new_tokens}
+            "max_new_tokens": cfg.eval.max_new_tokens, "precision": cfg.model.precision}
     engine = None
     if cfg.eval.engine == "local":
         engine = ClarifierEngine.from_folder(resolved.folder, version=resolved.version, cache_dir=cfg.model.cache_dir,
-                                             max_new_tokens=cfg.eval.max_new_tokens)
+                                             max_new_tokens=cfg.eval.max_new_tokens, precision=cfg.model.precision)
+    precision = describe(cfg.model.precision, "cuda" if cfg.eval.ray_gpus_per_actor else "cpu")
+    progress(f"[eval] inference precision {precision}")
     sim_fn, sim_info = similarity_fn_for(cfg, progress)
     models: dict[str, dict] = {}
     t0 = time.time()
@@ -194,7 +197,8 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
         other_engine = None
         if cfg.eval.engine == "local":
             other_engine = ClarifierEngine.from_folder(other.folder, version=other.version,
-                                                       cache_dir=cfg.model.cache_dir, max_new_tokens=cfg.eval.max_new_tokens)
+                                                       cache_dir=cfg.model.cache_dir, max_new_tokens=cfg.eval.max_new_tokens,
+                                                       precision=cfg.model.precision)
         op = _predict(cfg, {**spec, "model_uri": uri}, examples, engine=other_engine, progress=progress, bar=bar(name))
         del other_engine
         models[name] = {"metrics": evaluate_predictions(examples, op, similarity_fn=sim_fn),
@@ -205,11 +209,11 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
         if name == "base_model":
             # Zero-shot decision: clarify iff P(clarify) > P(answer), i.e. threshold 0.5.
             base_spec = {"base_model": meta.base_model, "cache_dir": cfg.model.cache_dir, "threshold": 0.5,
-                         "prompt": meta.prompt or {}}
+                         "prompt": meta.prompt or {}, "precision": cfg.model.precision}
             base = None
             if cfg.eval.engine == "local":
                 base = ClarifierEngine.from_base(meta.base_model, cache_dir=cfg.model.cache_dir, threshold=0.5,
-                                                 prompt_opts=meta.prompt_options())
+                                                 prompt_opts=meta.prompt_options(), precision=cfg.model.precision)
             bp = _predict(cfg, base_spec, examples, engine=base, mode="score", progress=progress,
                           bar=bar("base_model"))
             del base
@@ -222,6 +226,7 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
         "data_name": ed.name, "data_fingerprint": ed.fingerprint,
         "n": len(examples), "skipped_lines": len(ed.skipped), "skipped": ed.skipped[:50],
         "threshold": meta.threshold, "engine": cfg.eval.engine, "seconds_model": round(secs, 1),
+        "precision": precision, "trained_precision": meta.precision,
         "semantic_encoder": sim_info,
         "notes": "base_model is the untrained base model with the same prompt, zero-shot (clarify iff "
                  "P(clarify) > P(answer)), decision only (no decoding). lexical is the rule-based heuristic "
@@ -266,5 +271,6 @@ def _log_to_mlflow(run_id: str, report: dict, out: Path, tracking_uri: str | Non
             prefix = "eval" if name == "model" else f"eval_baseline/{name}"
             metrics.update(_flat_metrics(prefix, m["metrics"]))
         mlflow.log_metrics(metrics)
-        mlflow.set_tags({"eval.data": report.get("data_name", ""), "eval.data_fingerprint": report.get("data_fingerprint", "")})
+        mlflow.set_tags({"eval.data": report.get("data_name", ""), "eval.data_fingerprint": report.get("data_fingerprint", ""),
+                         "eval.precision": report.get("precision", "")})
         mlflow.log_artifacts(str(out), artifact_path="eval")

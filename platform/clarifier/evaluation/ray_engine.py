@@ -6,8 +6,10 @@ multiples of ``batch_size`` and every actor call re-groups its rows by ``idx // 
 each example is scored in exactly the batch (same neighbours, same padding) it would be scored in
 by ``ClarifierEngine.predict(examples, batch_size)`` in this process.
 
-With ``gpus_per_actor > 0`` each actor moves its model to its CUDA device (the CPU-equality
-guarantee above is for CPU actors; GPU kernels may differ from a CPU run in the last bits).
+With ``gpus_per_actor > 0`` each actor loads its model on its CUDA device (the CPU-equality
+guarantee above is for CPU actors; GPU kernels may differ from a CPU run in the last bits). Each
+actor computes in the spec's ``precision`` (``model.precision``) and uses exactly the CPUs it
+reserved as torch threads.
 
 The actor resolves the model URI itself (``models:/``, ``runs:/``, ``s3://`` download into the
 node's cache), so it works on a multi-node cluster; a plain local folder works where the actor's
@@ -34,17 +36,20 @@ class ScorerActor:
     above the threshold) or ``"score"`` (decision only).
     """
 
-    def __init__(self, spec: dict, mode: str = "predict", batch_size: int = 8):
+    def __init__(self, spec: dict, mode: str = "predict", batch_size: int = 8, cpus: float = 1):
         from ..inference import ClarifierEngine
+        from ..precision import set_threads
         from ..prompt import PromptOptions
 
         if mode not in ("predict", "score"):
             raise ValueError(f"ScorerActor mode must be 'predict' or 'score', got {mode!r}")
+        set_threads(cpus)  # exactly the CPUs this actor reserved
+        device, precision = spec.get("device", "cpu"), spec.get("precision", "auto")
         if spec.get("base_model"):
             self.engine = ClarifierEngine.from_base(
                 spec["base_model"], cache_dir=spec.get("cache_dir"), threshold=float(spec.get("threshold", 0.5)),
                 prompt_opts=PromptOptions(**(spec.get("prompt") or {})),
-                max_new_tokens=int(spec.get("max_new_tokens", 48)))
+                max_new_tokens=int(spec.get("max_new_tokens", 48)), precision=precision, device=device)
         else:
             from ..registry.registry import resolve_model_uri
 
@@ -52,14 +57,7 @@ class ScorerActor:
                                          tracking_uri=spec.get("tracking_uri"))
             self.engine = ClarifierEngine.from_folder(
                 resolved.folder, version=resolved.version, cache_dir=spec.get("cache_dir"),
-                max_new_tokens=int(spec.get("max_new_tokens", 48)))
-        if spec.get("device") == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise RuntimeError("eval.ray_gpus_per_actor > 0 but this scorer actor sees no CUDA device")
-            self.engine.model = self.engine.model.to("cuda")
-            self.engine.device = torch.device("cuda")
+                max_new_tokens=int(spec.get("max_new_tokens", 48)), precision=precision, device=device)
         self.mode = mode
         self.batch_size = batch_size
 
@@ -119,7 +117,7 @@ def ray_predict(examples: Sequence[Example], spec: dict, *, mode: str = "predict
         spec = {**spec, "device": "cuda"}
     ds = ds.map_batches(
         ScorerActor,
-        fn_constructor_kwargs={"spec": spec, "mode": mode, "batch_size": batch_size},
+        fn_constructor_kwargs={"spec": spec, "mode": mode, "batch_size": batch_size, "cpus": cpus_per_actor},
         compute=ray.data.ActorPoolStrategy(size=actors),
         batch_size=batch_size,
         num_cpus=cpus_per_actor,

@@ -181,7 +181,8 @@ def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progres
 
     from ..inference import ClarifierEngine
 
-    engine = ClarifierEngine.from_folder(model_dir, cache_dir=cfg.model.cache_dir, max_new_tokens=cfg.eval.max_new_tokens)
+    engine = ClarifierEngine.from_folder(model_dir, cache_dir=cfg.model.cache_dir, max_new_tokens=cfg.eval.max_new_tokens,
+                                         precision=cfg.model.precision)
     t0 = time.time()
     preds = engine.predict(examples, batch_size=cfg.eval.batch_size,
                            progress=lambda d, n: progress(f"[eval] {d}/{n}") if d == n or d % 64 == 0 else None)
@@ -200,7 +201,8 @@ def _predict_zero_shot(base_model: str, examples: list, cfg: ClarifierConfig,
     from ..evaluation.metrics import Prediction
     from ..inference import ClarifierEngine
 
-    engine = ClarifierEngine.from_base(base_model, cache_dir=cfg.model.cache_dir, threshold=0.5)
+    engine = ClarifierEngine.from_base(base_model, cache_dir=cfg.model.cache_dir, threshold=0.5,
+                                       precision=cfg.model.precision)
     calib = {"threshold": 0.5, "rule": "default (no calibration split)"}
     split = cfg.eval.calibration_split
     dev = load_split(cfg.data.output, split) if split else []

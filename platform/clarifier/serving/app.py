@@ -64,6 +64,7 @@ from ..runtime import FORWARDED
 from .auth import ENV_VAR as API_KEYS_ENV
 from .auth import HEADER as API_KEY_HEADER
 from .auth import ApiKeyAuth, key_digests, load_api_keys, presented_key
+from .admission import LatencyBudget
 from .lifecycle import ModelLifecycle, mlflow_alias_probe, parse_alias_uri
 from .metrics import IngressMetrics, ModelMetrics
 
@@ -98,21 +99,20 @@ class _Failed:
 
 
 def load_engine(uri: str, *, max_new_tokens: int = 48, tracking_uri: Optional[str] = None,
-                cache_dir: Optional[str] = None, use_gpu: bool = False):
-    """Resolve ``uri`` and load a :class:`ClarifierEngine` (on CUDA when ``use_gpu`` and available)."""
+                cache_dir: Optional[str] = None, use_gpu: bool = False, precision: str = "auto"):
+    """Resolve ``uri`` and load a :class:`ClarifierEngine` in ``precision`` (on CUDA when ``use_gpu``)."""
     from ..inference import ClarifierEngine
+    from ..models import ModelResolutionError
     from ..registry.registry import resolve_model_uri
 
     resolved = resolve_model_uri(uri, cache_dir=cache_dir, tracking_uri=tracking_uri)
-    engine = ClarifierEngine.from_folder(resolved.folder, version=resolved.version, max_new_tokens=max_new_tokens)
-    if use_gpu:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ServingError("gpus_per_replica > 0 but CUDA is not available in the model replica")
-        engine.model.to("cuda")
-        engine.device = next(engine.model.parameters()).device
-    return engine
+    try:
+        return ClarifierEngine.from_folder(resolved.folder, version=resolved.version, max_new_tokens=max_new_tokens,
+                                           precision=precision, device="cuda" if use_gpu else "cpu")
+    except ModelResolutionError as exc:
+        if use_gpu and "CUDA" in str(exc):
+            raise ServingError("gpus_per_replica > 0 but CUDA is not available in the model replica") from exc
+        raise
 
 
 @serve.deployment(name="ClarifierModel")
@@ -122,10 +122,14 @@ class ClarifierModel:
     def __init__(self, model_uri: str, max_new_tokens: int = 48, tracking_uri: Optional[str] = None,
                  max_batch_size: int = 8, batch_wait_timeout_s: float = 0.05,
                  cache_dir: Optional[str] = None, model_refresh_s: float = 0.0, use_gpu: bool = False,
-                 ray_metrics: bool = True):
+                 ray_metrics: bool = True, precision: str = "auto", cpus: float = 1):
+        from ..precision import set_threads
+
         self.metrics = ModelMetrics(ray=ray_metrics)
+        # Exactly the CPUs this replica reserved, so replicas on one node do not oversubscribe it.
+        threads = set_threads(cpus)
         load = functools.partial(load_engine, max_new_tokens=max_new_tokens, tracking_uri=tracking_uri,
-                                 cache_dir=cache_dir, use_gpu=use_gpu)
+                                 cache_dir=cache_dir, use_gpu=use_gpu, precision=precision)
         alias = parse_alias_uri(model_uri)
         probe = mlflow_alias_probe(alias[0], alias[1], tracking_uri) if alias and model_refresh_s > 0 else None
         self.lifecycle = ModelLifecycle(load, model_uri, probe=probe, refresh_s=model_refresh_s,
@@ -134,6 +138,9 @@ class ClarifierModel:
         self.lifecycle.load_initial()
         self.metrics.load_s.observe(time.time() - t0)
         self.metrics.info.set(1, version=self.lifecycle.version)
+        log.info("model %s loaded in %.1f s: precision %s, %d torch thread(s), %s, max batch %d",
+                 self.lifecycle.version, time.time() - t0, self.lifecycle.engine.precision, threads,
+                 "cuda" if use_gpu else "cpu", max_batch_size)
         self._clarify_batch.set_max_batch_size(max_batch_size)
         self._clarify_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.lifecycle.start()
@@ -296,8 +303,11 @@ BATCH_BODY_DOC = {"requestBody": {"content": {"application/json": {"schema": {"m
 class ClarifierIngress:
     def __init__(self, model: Any, max_history_turns: int = 50, max_chars: int = 20000,
                  ready_timeout_s: float = 5.0, api_key_digests: Tuple[str, ...] = (),
-                 max_batch_requests: int = 32, max_queued_requests: int = -1, ray_metrics: bool = True):
+                 max_batch_requests: int = 32, max_queued_requests: int = -1, ray_metrics: bool = True,
+                 latency_budget_s: Optional[float] = None, initial_limit: int = 8):
         self.model = model  # DeploymentHandle to ClarifierModel
+        # max_queued_requests null: admission from the latency budget (see serving.admission).
+        self.admission = LatencyBudget(latency_budget_s, initial_limit) if latency_budget_s else None
         self.max_history_turns = max_history_turns
         self.max_chars = max_chars
         self.ready_timeout_s = ready_timeout_s
@@ -350,6 +360,31 @@ class ClarifierIngress:
         return JSONResponse(status_code=503, content={"detail": detail},
                             headers={"Retry-After": str(RETRY_AFTER_S)})
 
+    def _over_budget(self, d) -> JSONResponse:
+        self.metrics.rejected.inc(reason="latency_budget")
+        budget = self.admission.budget_s
+        return JSONResponse(status_code=503, headers={"Retry-After": str(d.retry_after_s)}, content={"detail": {
+            "error": "overloaded", "limit": "latency_budget_s", "max": budget, "admitted_at_once": d.limit,
+            "message": f"{d.outstanding} requests are already being answered, as many as the model side answers "
+                       f"within serve.latency_budget_s={budget:g}s at its measured rate; retry after "
+                       f"{d.retry_after_s}s"}})
+
+    async def _admitted(self, method: str, arg: Any, items: int):
+        """``_call_model`` under the latency-budget admission (a refusal is returned, not raised)."""
+        if self.admission is None:
+            return await self._call_model(method, arg), None
+        d = self.admission.try_admit(items)
+        self.metrics.admission_limit.set(d.limit)
+        if not d.admitted:
+            return None, self._over_budget(d)
+        try:
+            return await self._call_model(method, arg), None
+        finally:
+            self.admission.done(items)
+            rate = self.admission.throughput()
+            if rate is not None:
+                self.metrics.throughput.set(rate)
+
     def _internal_error(self) -> JSONResponse:
         error_id = uuid.uuid4().hex[:12]
         log.exception("clarify request failed (error_id=%s)", error_id)
@@ -364,7 +399,9 @@ class ClarifierIngress:
         """Decide whether the latest turn needs clarification; ask the question if it does."""
         check_limits(body, self.max_history_turns, self.max_chars)
         try:
-            resp = await self._call_model("clarify", body)
+            resp, refused = await self._admitted("clarify", body, 1)
+            if refused is not None:
+                return refused
         except (BackPressureError, DeploymentUnavailableError, *REPLICA_LOST) as exc:
             return self._unavailable(exc)
         except Exception:
@@ -387,7 +424,9 @@ class ClarifierIngress:
         for i, req in enumerate(body):
             check_limits(req, self.max_history_turns, self.max_chars, index=i)
         try:
-            resps = await self._call_model("clarify_many", list(body))
+            resps, refused = await self._admitted("clarify_many", list(body), len(body))
+            if refused is not None:
+                return refused
         except (BackPressureError, DeploymentUnavailableError, *REPLICA_LOST) as exc:
             return self._unavailable(exc)
         except Exception:
@@ -464,11 +503,13 @@ def deployment_options(cfg: ServeConfig, env: Optional[dict] = None) -> Tuple[di
     if env:
         model_actor["runtime_env"] = {"env_vars": dict(env)}
         ingress_actor["runtime_env"] = {"env_vars": dict(env)}
-    model: dict = {"max_ongoing_requests": model_ongoing, "max_queued_requests": cfg.max_queued_requests,
+    # max_queued_requests null: the ingress admits by the latency budget, Serve's queue is unbounded.
+    queued = -1 if cfg.max_queued_requests is None else cfg.max_queued_requests
+    model: dict = {"max_ongoing_requests": model_ongoing, "max_queued_requests": queued,
                    "ray_actor_options": model_actor}
     auto = autoscaling_config(cfg)
     max_model_replicas = cfg.autoscaling.max_replicas if auto else cfg.num_replicas
-    ingress_ongoing = max(100, 2 * (model_ongoing * max_model_replicas + max(cfg.max_queued_requests, 0)))
+    ingress_ongoing = max(100, 2 * (model_ongoing * max_model_replicas + max(queued, 0)))
     ingress: dict = {"max_ongoing_requests": ingress_ongoing, "max_queued_requests": ingress_ongoing,
                      "ray_actor_options": ingress_actor}
     if auto:
@@ -497,11 +538,16 @@ def build_app(cfg: ServeConfig, tracking_uri: Optional[str] = None) -> serve.App
     model = ClarifierModel.options(**model_opts).bind(
         cfg.model_uri, max_new_tokens=cfg.max_new_tokens, tracking_uri=tracking_uri,
         max_batch_size=cfg.max_batch_size, batch_wait_timeout_s=cfg.batch_wait_timeout_s,
-        model_refresh_s=cfg.model_refresh_s, use_gpu=cfg.gpus_per_replica > 0,
+        model_refresh_s=cfg.model_refresh_s, use_gpu=cfg.gpus_per_replica > 0, precision=cfg.precision,
+        cpus=cfg.cpus_per_replica,
     )
+    budget = cfg.latency_budget_s if cfg.max_queued_requests is None else None
+    first_replicas = (cfg.autoscaling.initial_replicas or cfg.autoscaling.min_replicas) if cfg.autoscaling.enabled \
+        else cfg.num_replicas
     return ClarifierIngress.options(**ingress_opts).bind(
         model, max_history_turns=cfg.max_history_turns, max_chars=cfg.max_chars, api_key_digests=digests,
-        max_batch_requests=cfg.max_batch_requests, max_queued_requests=cfg.max_queued_requests,
+        max_batch_requests=cfg.max_batch_requests, max_queued_requests=model_opts["max_queued_requests"],
+        latency_budget_s=budget, initial_limit=model_opts["max_ongoing_requests"] * first_replicas,
     )
 
 

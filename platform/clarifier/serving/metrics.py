@@ -14,7 +14,8 @@ Ingress (per HTTP request / answer):
   ``clarifier_requests_total{route,status}``, ``clarifier_request_latency_seconds{route}``,
   ``clarifier_decisions_total{decision=clarify|answer}``, ``clarifier_path_total{path=fast|generate}``
   (fast path = decided in the single scoring pass, no decoding; share = fast / total),
-  ``clarifier_invalid_outputs_total``, ``clarifier_rejected_total{reason=backpressure|auth}``,
+  ``clarifier_invalid_outputs_total``, ``clarifier_rejected_total{reason=backpressure|latency_budget|auth}``,
+  ``clarifier_admission_limit``, ``clarifier_measured_throughput`` (latency-budget admission, see ``admission``),
   ``clarifier_replica_lost_total{outcome=retried|unavailable}`` (model calls whose replica died or
   became unreachable mid-request: retried on another replica, or answered 503 once retries ran out).
 Model replica (Ray metrics only):
@@ -106,6 +107,10 @@ class IngressMetrics:
                              "Generations that did not parse (answered as no clarification).", **kw)
         self.rejected = _Dual("counter", "clarifier_rejected_total", "Requests rejected before the model.",
                               ("reason",), **kw)
+        self.admission_limit = _Dual("gauge", "clarifier_admission_limit",
+                                     "Requests this ingress admits at once (latency budget x measured throughput).", **kw)
+        self.throughput = _Dual("gauge", "clarifier_measured_throughput",
+                                "Answers per second the model side measured while busy (latency-budget admission).", **kw)
         self.replica_lost = _Dual("counter", "clarifier_replica_lost_total",
                                   "Model calls whose replica died mid-request, by outcome (retried/unavailable).",
                                   ("outcome",), **kw)

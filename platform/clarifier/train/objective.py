@@ -61,23 +61,38 @@ def encode_example(example, tokenizer, weights: SegmentWeights, opts: PromptOpti
     }
 
 
-def collate(rows: list[dict], pad_id: int) -> dict:
-    """Right-pad a list of encoded rows into tensors."""
+def collate(rows: list[dict], pad_id: int, left: bool = False) -> dict:
+    """Pad a list of encoded rows into tensors (right-padded; ``left=True``: left-padded).
+
+    ``position_ids`` count every row's real tokens from 0 either way, as generation does.
+    ``target_positions``: with left padding every row ends in the last column, so all targets lie
+    in the last ``target_positions`` columns (one more than the longest target: the logits at the
+    last prompt position predict the first target token) and only those need logits; right-padded,
+    it is the whole length."""
     import torch
 
     n = max(len(r["input_ids"]) for r in rows)
 
-    def pad(key, fill, dtype):
-        return torch.tensor([list(r[key]) + [fill] * (n - len(r[key])) for r in rows], dtype=dtype)
+    def padded(seq, fill):
+        fills = [fill] * (n - len(seq))
+        return fills + list(seq) if left else list(seq) + fills
 
-    input_ids = pad("input_ids", pad_id, torch.long)
-    attn = torch.tensor([[1] * len(r["input_ids"]) + [0] * (n - len(r["input_ids"])) for r in rows])
+    def pad(key, fill, dtype):
+        return torch.tensor([padded(r[key], fill) for r in rows], dtype=dtype)
+
+    attn = torch.tensor([padded([1] * len(r["input_ids"]), 0) for r in rows])
+    keep = n
+    if left:
+        first = [next((i for i, x in enumerate(r["labels"]) if x != IGNORE), len(r["labels"])) for r in rows]
+        keep = min(n, max(len(r["labels"]) - f + 1 for r, f in zip(rows, first)))
     return {
-        "input_ids": input_ids,
+        "input_ids": pad("input_ids", pad_id, torch.long),
         "attention_mask": attn,
+        "position_ids": (attn.cumsum(-1) - 1).clamp_min(0),
         "labels": pad("labels", IGNORE, torch.long),
         "loss_weights": pad("loss_weights", 0.0, torch.float32),
         "segment_ids": pad("segment_ids", 0, torch.long),
+        "target_positions": torch.tensor(keep),
     }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .. import storage
 from ..config import ClarifierConfig, TrainConfig, flatten
-from ..inference import META_FILE
+from ..inference import META_FILE, read_meta
 from .loop import (DS_DIR, PIPELINE_PARTS, RANK_DIR, STATE_FILE, resolve_decision_loss, train_columns,
                    train_loop_per_worker)
 from .objective import DecisionLoss
@@ -31,6 +31,7 @@ class TrainResult:
     # MLflow tracking outages: failed_calls, lost_steps / lost_values (metrics missing from the run
     # after the buffer was flushed), lost_step_ranges ("12-15,18"; pipeline: "when:...; how:...")
     tracking: dict = field(default_factory=dict)
+    precision: str = "fp32"  # the resolved training precision (bf16 | fp32)
 
 
 def _tracking_uri(cfg: ClarifierConfig) -> str:
@@ -136,10 +137,12 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
         (out / PIPELINE_FILE).write_text(json.dumps({"variant": "pipeline", "parts": parts}, indent=2))
     seconds = time.time() - t0
     summary = _tracking_summary(tracking)
+    precision = read_meta(out).precision or "fp32"  # as the workers resolved model.precision on their device
     calib = _calibrate(cfg, out, progress)
     with mlflow.start_run(run_id=run_id):
         mlflow.log_artifacts(str(out), artifact_path="adapter")
         mlflow.log_metrics({"train/steps": steps, "train/seconds": seconds})
+        mlflow.set_tag("clarifier.precision", precision)
         _log_tracking(tracking, run_id, summary)
         if calib:
             mlflow.log_metrics({"calibration/threshold": calib["threshold"]})
@@ -149,8 +152,9 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
                  + (f"metrics of {summary['lost_steps']} steps lost (steps {summary['lost_step_ranges']}; "
                     f"{summary['lost_values']} values), see tracking/lost_steps" if summary["lost_steps"]
                     else "every step's metrics were buffered and delivered"))
-    progress(f"[train] done: {steps} steps in {seconds:.0f}s; adapter logged to run {run_id}")
-    return TrainResult(run_id=run_id, model_dir=str(out), steps=steps, seconds=seconds, tracking=summary)
+    progress(f"[train] done: {steps} steps in {seconds:.0f}s ({precision}); adapter logged to run {run_id}")
+    return TrainResult(run_id=run_id, model_dir=str(out), steps=steps, seconds=seconds, tracking=summary,
+                       precision=precision)
 
 
 def _tracking_stats(result) -> dict:
@@ -316,4 +320,5 @@ def _calibrate(cfg: ClarifierConfig, folder: Path, progress) -> dict | None:
                  f"keeping threshold {cfg.eval.threshold}")
         return None
     return calibrate_model(folder, examples, max_over_asking=cfg.eval.max_over_asking,
-                           cache_dir=cfg.model.cache_dir, batch_size=cfg.eval.batch_size, progress=progress)
+                           cache_dir=cfg.model.cache_dir, batch_size=cfg.eval.batch_size, progress=progress,
+                           precision=cfg.model.precision)
