@@ -41,7 +41,7 @@ def baseline_transform(files: list[Path], out: Path, tokenizer, cfg) -> dict:
     from clarifier.data.split import assign_split
     from clarifier.data.validate import parse_line
     from clarifier.prompt import PromptOptions
-    from clarifier.train.objective import SegmentWeights, encode_example
+    from clarifier.train.objective import SegmentWeights, encode_examples
 
     d = cfg.data
     rows, quarantined = [], 0
@@ -60,7 +60,8 @@ def baseline_transform(files: list[Path], out: Path, tokenizer, cfg) -> dict:
     df = df.sort_values(["source", "line"]).drop_duplicates("key", keep="first")
     weights = SegmentWeights(**cfg.train.loss_weights.model_dump())
     opts = PromptOptions(max_prompt_tokens=cfg.model.max_prompt_tokens)
-    enc = [encode_example(ex, tokenizer, weights, opts, d.max_length) for ex in df["ex"]]
+    exs = list(df["ex"])  # the same batched encoder as the job's actors (256 examples a call)
+    enc = [e for s in range(0, len(exs), 256) for e in encode_examples(exs[s:s + 256], tokenizer, weights, opts, d.max_length)]
     df["input_ids"] = [e["input_ids"] for e in enc]
     df["labels"] = [e["labels"] for e in enc]
     df["loss_weights"] = [e["loss_weights"] for e in enc]

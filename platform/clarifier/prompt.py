@@ -86,15 +86,23 @@ def render_prompt(tokenizer, history, query, passages=(), opts: PromptOptions | 
     query alone does not fit the prompt is returned anyway (the caller's tokenizer truncation and
     length filters decide what to do with it).
     """
+    return render_prompts(tokenizer, [(history, query, passages)], opts)[0][0]
+
+
+def render_prompts(tokenizer, items, opts: PromptOptions | None = None) -> list[tuple[str, list[int]]]:
+    """:func:`render_prompt` of many ``(history, query, passages)`` items, with each prompt's token
+    ids: the full prompts are tokenised in one call; only those over ``max_prompt_tokens`` drop
+    their oldest turns one at a time."""
     opts = opts or PromptOptions()
-    history = list(history)
-    passages = list(passages)
-    first = 0
-    while True:
-        text = _apply_template(tokenizer, render_user_message(history, query, passages, opts, first))
-        if first >= len(history):
-            return text
-        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if n <= opts.max_prompt_tokens:
-            return text
-        first += 1
+    items = [(list(h), q, list(p or ())) for h, q, p in items]
+    texts = [_apply_template(tokenizer, render_user_message(h, q, p, opts)) for h, q, p in items]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    out = []
+    for (history, query, passages), text, tids in zip(items, texts, ids):
+        first = 0
+        while len(tids) > opts.max_prompt_tokens and first < len(history):
+            first += 1
+            text = _apply_template(tokenizer, render_user_message(history, query, passages, opts, first))
+            tids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out.append((text, list(tids)))
+    return out

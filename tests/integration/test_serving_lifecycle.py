@@ -207,9 +207,8 @@ def test_default_queue_policy_sheds_by_the_latency_budget(tiny_model_dir, tmp_pa
         except httpx.HTTPError as exc:
             return exc
 
-    with ThreadPoolExecutor(2) as pool:  # 40 answers, two at a time: the ingress measures the rate
-        warm = list(pool.map(post, range(40)))
-    assert [r.status_code for r in warm if isinstance(r, httpx.Response)].count(200) >= 38, warm
+    warm = [post(i) for i in range(34)]  # one at a time (always admitted): the ingress measures the rate
+    assert [getattr(r, "status_code", None) for r in warm] == [200] * 34, warm
     with ThreadPoolExecutor(40) as pool:  # then a burst of 40 at once
         out = list(pool.map(post, range(40, 80)))
     errors = [r for r in out if not isinstance(r, httpx.Response)]

@@ -10,6 +10,8 @@ class _Tok:
         self.bos_token, self.bos_token_id, self.adds_bos = "<bos>", 2, adds_bos
 
     def __call__(self, text, add_special_tokens=True):
+        if isinstance(text, list):  # a batch, as transformers tokenizers take it
+            return {"input_ids": [self(t, add_special_tokens)["input_ids"] for t in text]}
         ids = [ord(c) + 10 for c in text]
         return {"input_ids": ([self.bos_token_id] if add_special_tokens and self.adds_bos else []) + ids}
 

@@ -75,9 +75,11 @@ class SilverGrounder:
     """``map_batches`` callable: fills empty grounding of clarify examples; scores gold ones too."""
 
     def __init__(self, encoder: str | None, min_similarity: float, margin: float, max_turns: int,
-                 roles: Sequence[str], compare_with_gold: bool = True):
+                 roles: Sequence[str], compare_with_gold: bool = True, cpus: float = 1):
+        from ..precision import set_threads
         from ..similarity import SentenceEncoder
 
+        set_threads(cpus)  # the actor's reserved CPUs, not a thread per core of the node
         self.encoder = SentenceEncoder(encoder)
         self.kw = {"min_similarity": min_similarity, "margin": margin, "max_turns": max_turns}
         self.roles = tuple(roles)

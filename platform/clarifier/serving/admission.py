@@ -11,7 +11,7 @@ received back; ``throughput`` is what the model side has *measured* to answer pe
 busy (completions over the busy time of the last ``window`` completions, so a dynamic batch of 8
 that lands at once counts as 8); by Little's law a request admitted behind ``outstanding`` others
 waits about ``(outstanding + 1) / throughput`` seconds. Until ``window`` answers have been seen,
-the bound is ``initial_limit`` (what the model replicas take at once). A refused request gets 503
+the bound is ``initial_limit`` (the app passes twice what the first model replicas take at once). A refused request gets 503
 at once with ``Retry-After`` = the seconds until the backlog fits the budget again; the admitted
 ones keep the model replicas' ongoing-request count high, which is the autoscaler's signal to add
 replicas -- whose answers raise the measured throughput and so the bound.

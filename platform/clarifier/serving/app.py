@@ -547,7 +547,7 @@ def build_app(cfg: ServeConfig, tracking_uri: Optional[str] = None) -> serve.App
     return ClarifierIngress.options(**ingress_opts).bind(
         model, max_history_turns=cfg.max_history_turns, max_chars=cfg.max_chars, api_key_digests=digests,
         max_batch_requests=cfg.max_batch_requests, max_queued_requests=model_opts["max_queued_requests"],
-        latency_budget_s=budget, initial_limit=model_opts["max_ongoing_requests"] * first_replicas,
+        latency_budget_s=budget, initial_limit=2 * model_opts["max_ongoing_requests"] * first_replicas,
     )
 
 

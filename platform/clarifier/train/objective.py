@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..prompt import PromptOptions, render_prompt
+from ..prompt import PromptOptions, render_prompts
 from ..target import SEGMENTS, render_segments, target_from_example
 
 IGNORE = -100
@@ -35,30 +35,39 @@ def encode_example(example, tokenizer, weights: SegmentWeights, opts: PromptOpti
     Returns ``truncated=True`` when the sequence had to be cut to ``max_length`` (the target is
     never cut silently: the data job filters such rows with that reason).
     """
-    prompt = render_prompt(tokenizer, example.history, example.query, example.passages, opts)
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    ids = list(prompt_ids)
-    labels = [IGNORE] * len(ids)
-    w = [0.0] * len(ids)
-    seg = [0] * len(ids)
-    pieces = render_segments(target_from_example(example))
-    for k, (name, text) in enumerate(pieces):
-        piece_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if k == len(pieces) - 1 and tokenizer.eos_token_id is not None:
-            piece_ids = piece_ids + [tokenizer.eos_token_id]
-        ids += piece_ids
-        labels += piece_ids
-        w += [weights.of(name)] * len(piece_ids)
-        seg += [SEGMENT_IDS[name]] * len(piece_ids)
-    truncated = len(ids) > max_length
-    return {
-        "input_ids": ids[:max_length],
-        "labels": labels[:max_length],
-        "loss_weights": w[:max_length],
-        "segment_ids": seg[:max_length],
-        "prompt_len": len(prompt_ids),
-        "truncated": truncated,
-    }
+    return encode_examples([example], tokenizer, weights, opts, max_length)[0]
+
+
+def encode_examples(examples, tokenizer, weights: SegmentWeights, opts: PromptOptions, max_length: int) -> list[dict]:
+    """:func:`encode_example` of many Examples: prompts and target segments are tokenised in one
+    call each (the per-call overhead of a tokenizer is most of the cost for short texts)."""
+    prompts = render_prompts(tokenizer, [(e.history, e.query, e.passages) for e in examples], opts)
+    pieces = [render_segments(target_from_example(e)) for e in examples]
+    flat = [text for ps in pieces for _, text in ps]
+    flat_ids = iter(tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else [])
+    out = []
+    for (_, prompt_ids), segs in zip(prompts, pieces):
+        ids = list(prompt_ids)
+        labels = [IGNORE] * len(ids)
+        w = [0.0] * len(ids)
+        seg = [0] * len(ids)
+        for k, (name, _) in enumerate(segs):
+            piece_ids = list(next(flat_ids))
+            if k == len(segs) - 1 and tokenizer.eos_token_id is not None:
+                piece_ids = piece_ids + [tokenizer.eos_token_id]
+            ids += piece_ids
+            labels += piece_ids
+            w += [weights.of(name)] * len(piece_ids)
+            seg += [SEGMENT_IDS[name]] * len(piece_ids)
+        out.append({
+            "input_ids": ids[:max_length],
+            "labels": labels[:max_length],
+            "loss_weights": w[:max_length],
+            "segment_ids": seg[:max_length],
+            "prompt_len": len(prompt_ids),
+            "truncated": len(ids) > max_length,
+        })
+    return out
 
 
 def collate(rows: list[dict], pad_id: int, left: bool = False) -> dict:
