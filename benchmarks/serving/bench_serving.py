@@ -56,6 +56,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import cpu_info  # noqa: E402
 
 
 # ---- load driver (runs in its own process) ----------------------------------------------------------
@@ -445,7 +447,7 @@ def main(argv: list[str]) -> None:
         "benchmark": "serving", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": model_label,
         "variant": "gpu" if a.gpu else "cpu", "threshold": threshold, "clear_share": a.clear_share,
         "settings": {k: v for k, v in vars(a).items() if k not in ("out",)},
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+        "machine": {**cpu_info(), "platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "torch": torch.__version__, "torch_threads_in_process": torch.get_num_threads(), "cuda": torch.cuda.get_device_name(0) if a.gpu and torch.cuda.is_available() else None,
                     "loadavg_1m": os.getloadavg()[0]},
         "levels": results, "burst": burst, "in_process": inproc, "ratios": ratios,
