@@ -32,6 +32,7 @@ GROUNDING_COLUMNS = [
     ("agree_pred", pa.int64()),
     ("agree_gold", pa.int64()),
 ]
+AGREE_COLUMNS = [name for name, _ in GROUNDING_COLUMNS if name.startswith("agree_")]  # summed into the manifest
 
 
 def select_turns(sims: Sequence[float], eligible: Sequence[bool], *, min_similarity: float, margin: float,

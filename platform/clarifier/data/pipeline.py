@@ -54,7 +54,7 @@ import pyarrow as pa
 from .. import storage
 from ..config import ClarifierConfig, LabellingConfig
 from ..schema import Example
-from .grounding import GROUNDING_COLUMNS
+from .grounding import AGREE_COLUMNS, GROUNDING_COLUMNS
 from .split import assign_split
 from .validate import check_object, parse_line_full, quarantine_record
 
@@ -246,9 +246,7 @@ def mark_duplicates(batch: pa.Table, *, first: dict[str, str]) -> pa.Table:
     status, reason = batch.column("status").to_pylist(), batch.column("reason").to_pylist()
     for k, (key, order) in enumerate(zip(keys, orders)):
         kept = first.get(key)
-        if kept is None:
-            continue
-        if order == kept:
+        if kept is None or order == kept:
             continue
         _, _, kept_id, kept_label = kept.split("\x00")
         conflict = " with a different label" if int(bool(labels[k])) != int(kept_label) else ""
@@ -354,7 +352,7 @@ def _silver_section(sg, groups: list[dict], progress) -> dict:
     by_source: dict[str, int] = {}
     for g in rows:
         by_source[g["grounding_source"] or ""] = by_source.get(g["grounding_source"] or "", 0) + int(g["n"])
-    agg = {k: sum(int(g[k] or 0) for g in rows) for k in ("agree_compared", "agree_exact", "agree_tp", "agree_pred", "agree_gold")}
+    agg = {k: sum(int(g[k] or 0) for g in rows) for k in AGREE_COLUMNS}
     compared = agg["agree_compared"]
     section = {
         "enabled": True,
@@ -574,11 +572,10 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
         ).map_batches(mark_duplicates, batch_format="pyarrow", fn_kwargs={"first": first}).materialize()
         progress(f"[data] tokenised; {len(first)} inputs seen more than once; writing splits")
         # Counting reads a few small columns (projected first: the rows carry their token lists).
-        agree = ["agree_compared", "agree_exact", "agree_tp", "agree_pred", "agree_gold"]
-        groups = encoded.select_columns(["split", "status", "grounding_source", "clarify", *agree]).groupby(
+        groups = encoded.select_columns(["split", "status", "grounding_source", "clarify", *AGREE_COLUMNS]).groupby(
             ["split", "status", "grounding_source"], num_partitions=1).aggregate(
             Count(alias_name="n"), Sum("clarify", alias_name="clarify"),
-            *(Sum(k, alias_name=k) for k in agree),
+            *(Sum(k, alias_name=k) for k in AGREE_COLUMNS),
         ).take_all()
         for r in groups:
             if r["status"] == "ok":
