@@ -27,7 +27,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
-    from clarifier.models import load_tokenizer
+    from clarifier.engine.models import load_tokenizer
 
     return load_tokenizer(str(tiny_model_dir))
 
@@ -37,7 +37,7 @@ def s3_server():
     """A real S3-compatible HTTP server on loopback (moto's server), with credentials in the env."""
     from moto.server import ThreadedMotoServer
 
-    from clarifier.services import free_port
+    from clarifier.runtime.services import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
@@ -70,7 +70,7 @@ def s3_bucket(s3_server):
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` (sqlite + proxied artifacts) on loopback; MLFLOW_TRACKING_URI points at it."""
-    from clarifier.services import start_mlflow_server
+    from clarifier.runtime.services import start_mlflow_server
 
     server = start_mlflow_server(tmp_path_factory.mktemp("mlflow"))
     old = os.environ.get("MLFLOW_TRACKING_URI")
@@ -93,7 +93,7 @@ def ray_local(request, s3_server, mlflow_server):
     """
     import ray
 
-    from clarifier.runtime import init_ray
+    from clarifier.runtime.cluster import init_ray
 
     if ray.is_initialized():
         ray.shutdown()

@@ -16,7 +16,7 @@ CHAT_TEMPLATE = (
 
 def _corpus() -> list[str]:
     from clarifier.data.synthetic import generate_conversations
-    from clarifier.prompt import SYSTEM_PROMPT
+    from clarifier.core.prompt import SYSTEM_PROMPT
 
     texts = [SYSTEM_PROMPT, "decision: clarify\ngrounding: turns=0,1 passages=none\nquestion: Which one?", "decision: answer"]
     for conv in generate_conversations(200, seed=123):

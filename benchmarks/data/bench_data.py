@@ -40,8 +40,8 @@ def baseline_transform(files: list[Path], out: Path, tokenizer, cfg) -> dict:
     from clarifier.data.pipeline import dedup_key
     from clarifier.data.split import assign_split
     from clarifier.data.validate import parse_line
-    from clarifier.prompt import PromptOptions
-    from clarifier.train.objective import SegmentWeights, encode_examples
+    from clarifier.core.prompt import PromptOptions
+    from clarifier.core.objective import SegmentWeights, encode_examples
 
     d = cfg.data
     rows, quarantined = [], 0
@@ -94,7 +94,7 @@ def _time_pipeline(cfg, num_cpus: int) -> dict:
 
 
 def _config(logs: Path, out: Path, base_model: str):
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
 
     return build_config({}, [f"data.input={logs}", f"data.output={out}", f"model.base_model={base_model}",
                              "data.max_length=768"])
@@ -102,7 +102,7 @@ def _config(logs: Path, out: Path, base_model: str):
 
 def throughput_and_memory(n: int, base_model: str, tmp: Path, skip_memory: bool, say) -> dict:
     from clarifier.data.synthetic import write_logs
-    from clarifier.models import load_tokenizer, resolve_base_model
+    from clarifier.engine.models import load_tokenizer, resolve_base_model
 
     logs = tmp / f"logs-{n}"
     write_logs(str(logs), n, seed=1, shards=8)
@@ -146,8 +146,8 @@ def throughput_and_memory(n: int, base_model: str, tmp: Path, skip_memory: bool,
 
 def _packing(examples, tokenizer, cfg, block_length: int, micro_batch: int, seed: int = 0) -> dict:
     from clarifier.data.packing import efficiency, pack_sequences, padding_slots
-    from clarifier.prompt import PromptOptions
-    from clarifier.train.objective import SegmentWeights, encode_example
+    from clarifier.core.prompt import PromptOptions
+    from clarifier.core.objective import SegmentWeights, encode_example
 
     opts = PromptOptions(max_prompt_tokens=cfg.model.max_prompt_tokens)
     encs = [encode_example(ex, tokenizer, SegmentWeights(), opts, block_length) for ex in examples]
@@ -168,10 +168,10 @@ def _packing(examples, tokenizer, cfg, block_length: int, micro_batch: int, seed
 
 
 def packing_efficiency(base_model: str, block_length: int, micro_batch: int, say, max_examples: int) -> dict:
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.data.synthetic import generate_conversations
-    from clarifier.models import load_tokenizer, resolve_base_model
-    from clarifier.schema import ConversationLog
+    from clarifier.engine.models import load_tokenizer, resolve_base_model
+    from clarifier.core.schema import ConversationLog
 
     cfg = build_config({})
     tok = load_tokenizer(resolve_base_model(base_model))

@@ -157,7 +157,7 @@ def run_driver(url: str, payload_file: Path, concurrency: int, n: int, warmup: i
 def build_workload(n: int, clear_share: float, seed: int = 0) -> list[dict]:
     """``n`` request bodies, ``clear_share`` of them clear turns (gold label), the rest ambiguous."""
     from clarifier.data.synthetic import generate_conversations
-    from clarifier.schema import ConversationLog
+    from clarifier.core.schema import ConversationLog
 
     clear, ambiguous = [], []
     for conv in generate_conversations(max(200, n), seed=seed):
@@ -181,7 +181,7 @@ def tiny_model(work: Path) -> Path:
     from tinymodel import build_tiny_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from clarifier.inference import ModelMeta, write_meta
+    from clarifier.engine.inference import ModelMeta, write_meta
 
     base = build_tiny_model(work / "tiny-base")
     folder = work / "tiny-adapter"
@@ -197,7 +197,7 @@ def with_threshold(folder: Path, out: Path, threshold: float) -> Path:
     """A copy of a model folder whose clarifier.json carries ``threshold`` (weights symlinked)."""
     from dataclasses import replace
 
-    from clarifier.inference import read_meta, write_meta
+    from clarifier.engine.inference import read_meta, write_meta
 
     out.mkdir(parents=True, exist_ok=True)
     for f in folder.iterdir():
@@ -208,7 +208,7 @@ def with_threshold(folder: Path, out: Path, threshold: float) -> Path:
 
 
 def load_engine(folder: Path, max_new_tokens: int, gpu: bool, precision: str = "auto"):
-    from clarifier.inference import ClarifierEngine
+    from clarifier.engine.inference import ClarifierEngine
 
     return ClarifierEngine.from_folder(folder, version="in-process", max_new_tokens=max_new_tokens,
                                        precision=precision, device="cuda" if gpu else "cpu")
@@ -222,7 +222,7 @@ def _lat(xs: list[float]) -> dict:
 def prefill_comparison(engine, payloads: list[dict], n: int) -> dict:
     """The clarify path (threshold 0: every request decodes) one request at a time, with the
     generation continued from the decision pass's KV cache vs a second prefill; same outputs?"""
-    from clarifier.schema import ClarifyRequest
+    from clarifier.core.schema import ClarifyRequest
 
     reqs = [ClarifyRequest.model_validate(payloads[i % len(payloads)]) for i in range(n)]
     out: dict = {"requests": n}
@@ -248,7 +248,7 @@ def precision_agreement(folder: Path, payloads: list[dict], threshold: float, ma
     at the threshold that differ."""
     import math
 
-    from clarifier.schema import ClarifyRequest
+    from clarifier.core.schema import ClarifyRequest
 
     items = [(r.history, r.query, r.passages) for r in (ClarifyRequest.model_validate(p) for p in payloads[:n])]
     scores = {}
@@ -268,7 +268,7 @@ def precision_agreement(folder: Path, payloads: list[dict], threshold: float, ma
 
 
 def in_process(engine, payloads: list[dict], n: int, batch_size: int) -> dict:
-    from clarifier.schema import ClarifyRequest
+    from clarifier.core.schema import ClarifyRequest
 
     reqs = [ClarifyRequest.model_validate(payloads[i % len(payloads)]) for i in range(n)]
     engine.clarify(reqs[:2])  # warm-up
@@ -325,11 +325,11 @@ def main(argv: list[str]) -> None:
     import ray
     from ray import serve
 
-    logging.getLogger("clarifier.inference").setLevel(logging.ERROR)  # the tiny model's garbage is expected
-    from clarifier.config import ServeConfig
+    logging.getLogger("clarifier.engine.inference").setLevel(logging.ERROR)  # the tiny model's garbage is expected
+    from clarifier.core.config import ServeConfig
     from clarifier.registry.registry import resolve_model_uri
     from clarifier.serving.app import run_local
-    from clarifier.services import free_port
+    from clarifier.runtime.services import free_port
 
     levels = [int(x) for x in a.levels.split(",") if x.strip()]
     fp_levels = [int(x) for x in a.fast_path_levels.split(",") if x.strip()]
@@ -355,7 +355,7 @@ def main(argv: list[str]) -> None:
     print(f"[bench] loading the in-process engine from {folder} (torch threads {torch.get_num_threads()})", flush=True)
     engine = load_engine(folder, a.max_new_tokens, a.gpu)
     if a.tiny:  # mimic a calibrated threshold on this mix: the ambiguous share goes to generation
-        from clarifier.schema import ClarifyRequest
+        from clarifier.core.schema import ClarifyRequest
 
         scores = engine.score([(r.history, r.query, r.passages)
                                for r in (ClarifyRequest.model_validate(p) for p in payloads)])

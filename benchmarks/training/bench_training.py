@@ -50,7 +50,7 @@ from common import write_result  # noqa: E402
 
 
 def _prepare(args, work: Path, ray_started) -> list[str]:
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.data.pipeline import prepare
     from clarifier.data.synthetic import write_logs
 
@@ -71,7 +71,7 @@ def _prepare(args, work: Path, ray_started) -> list[str]:
 def _trainer_tps(base: list[str], extra: list[str], warmup: int) -> dict:
     from mlflow import MlflowClient
 
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.train.trainer import train
 
     cfg = build_config({}, [*base, *extra])
@@ -92,11 +92,11 @@ def _plain_tps(base: list[str], warmup: int, threads: int) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from clarifier.config import build_config
-    from clarifier.models import load_causal_lm, load_tokenizer, resolve_base_model
+    from clarifier.core.config import build_config
+    from clarifier.engine.models import load_causal_lm, load_tokenizer, resolve_base_model
     from clarifier.train.loop import batch_indices, forward_loss, load_train_table, make_batch
 
-    from clarifier.precision import resolve_precision, torch_dtype
+    from clarifier.engine.precision import resolve_precision, torch_dtype
 
     cfg = build_config({}, base)
     t = cfg.train
@@ -126,7 +126,7 @@ def _plain_tps(base: list[str], warmup: int, threads: int) -> dict:
 
 
 def _n_params(model_spec: str) -> int:
-    from clarifier.models import load_causal_lm, resolve_base_model
+    from clarifier.engine.models import load_causal_lm, resolve_base_model
 
     m = load_causal_lm(resolve_base_model(model_spec, None))
     return sum(p.numel() for p in m.parameters())
@@ -158,9 +158,9 @@ def main(argv=None) -> None:
 
     import ray
 
-    from clarifier.runtime import init_ray
+    from clarifier.runtime.cluster import init_ray
 
-    from clarifier.services import start_mlflow_server
+    from clarifier.runtime.services import start_mlflow_server
 
     work = Path(tempfile.mkdtemp(prefix="bench-training-"))
     server = start_mlflow_server(work / "mlflow")  # a real tracking server, as in training (workers log to it)

@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .config import ConfigError, dump_config, load_config
+from clarifier.core.config import ConfigError, dump_config, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 data_app = typer.Typer(no_args_is_help=True, help="Data jobs: synthetic logs, public-dataset import, preprocessing.")
@@ -66,7 +66,7 @@ InstalledCodeOpt = typer.Option(False, "--installed-code",
 
 def _submit(address: str, stage: list[str], cfg, extra_args: list[str] | None = None, installed_code: bool = False):
     """Submit a stage as a Ray job; prints the job id, streams logs, exits with the job's status."""
-    from .submit import submit_stage
+    from clarifier.runtime.submit import submit_stage
 
     from ray.exceptions import AuthenticationError
 
@@ -87,7 +87,7 @@ def quickstart(
     overrides: Optional[list[str]] = OverridesArg,
 ):
     """Run every stage end to end on the embedded default (local Ray, MLflow, object-store folder, SmolLM2)."""
-    from .quickstart import run_quickstart
+    from clarifier.quickstart import run_quickstart
 
     try:
         summary = run_quickstart(workdir, config, overrides or [], port=port, progress=_say)
@@ -111,7 +111,7 @@ def show_config(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str
 def data_synth(out: str = typer.Option(..., help="Folder or s3:// prefix for JSONL shards."),
                n: int = typer.Option(400, help="Number of conversations."), seed: int = 0, shards: int = 4):
     """Write synthetic multi-turn conversation logs with gold labels."""
-    from .data.synthetic import write_logs
+    from clarifier.data.synthetic import write_logs
 
     files = write_logs(out, n, seed=seed, shards=shards)
     _say(f"wrote {n} conversations to {len(files)} files under {out}")
@@ -124,8 +124,8 @@ def data_import(dataset: str = typer.Argument(..., help="Importer name: clariq, 
                 option: Optional[list[str]] = typer.Option(None, "--option", "-o", help="Importer option key=value (repeatable)."),
                 s3_endpoint_url: Optional[str] = typer.Option(None, help="S3-compatible endpoint for an s3:// --out.")):
     """Import a public dataset into evaluation-set JSONL; print counts per label and skipped rows by reason."""
-    from . import storage
-    from .data.importers.export import export_dataset
+    from clarifier.runtime import storage
+    from clarifier.data.importers.export import export_dataset
 
     opts: dict[str, str] = {}
     for o in option or []:
@@ -151,16 +151,16 @@ def data_prepare(config: Optional[Path] = ConfigOpt,
                  submit: Optional[str] = SubmitOpt, installed_code: bool = InstalledCodeOpt,
                  overrides: Optional[list[str]] = OverridesArg):
     """Ray Data job: logs -> validated, split, tokenised Parquet + quarantine + manifest."""
-    from . import storage
-    from .data.pipeline import prepare
-    from .runtime import init_ray
+    from clarifier.runtime import storage
+    from clarifier.data.pipeline import prepare
+    from clarifier.runtime.cluster import init_ray
 
     cfg = _cfg(config, overrides)
     if submit:
         _submit(submit, ["data", "prepare"], cfg, ["--synthetic"] if synthetic else [], installed_code)
     storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
     if synthetic:
-        from .data.synthetic import write_logs
+        from clarifier.data.synthetic import write_logs
 
         if not cfg.data.input:
             console.print("[red]--synthetic needs data.input (where to write the logs)[/red]")
@@ -183,14 +183,14 @@ def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
     """Ray Train job: LoRA (or full, model.finetune=full) fine-tuning on the joint objective with DeepSpeed, tracked in MLflow.
 
     Rerunning with the same train.run_name (and storage.root) resumes from the last checkpoint."""
-    from .runtime import init_ray
-    from .train.trainer import train as run_train
+    from clarifier.runtime.cluster import init_ray
+    from clarifier.train.trainer import train as run_train
 
     if recipe:
         if config:
             console.print("[red]--recipe and --config both name a config; pass one[/red]")
             raise typer.Exit(2)
-        from .recipes import recipe_path
+        from clarifier.recipes import recipe_path
 
         try:
             config = recipe_path(recipe)
@@ -204,8 +204,8 @@ def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
         _submit(submit, ["train"], cfg, ["--prepare"] if prepare else [], installed_code)
     init_ray()
     if prepare:
-        from . import storage
-        from .recipes import prepare_if_needed
+        from clarifier.runtime import storage
+        from clarifier.recipes import prepare_if_needed
 
         storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
         prepare_if_needed(cfg, progress=_say)
@@ -223,7 +223,7 @@ def eval_cmd(model: str = typer.Option(..., help="models:/name@alias, runs:/<id>
              config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
              installed_code: bool = InstalledCodeOpt, overrides: Optional[list[str]] = OverridesArg):
     """Evaluate a model and the baselines; write JSON, Markdown and plots."""
-    from .evaluation.evaluate import evaluate
+    from clarifier.evaluation.evaluate import evaluate
 
     cfg = _cfg(config, overrides)
     for item in compare or []:
@@ -233,7 +233,7 @@ def eval_cmd(model: str = typer.Option(..., help="models:/name@alias, runs:/<id>
             raise typer.Exit(2)
         cfg.eval.compare = {**cfg.eval.compare, name.strip(): uri.strip()}
     if submit:
-        from .submit import _absolute
+        from clarifier.runtime.submit import _absolute
 
         args = ["--model", _absolute(model) if Path(model).exists() else model]
         args += ["--data", _absolute(data) if Path(data).exists() else data] if data else []
@@ -248,7 +248,7 @@ def eval_cmd(model: str = typer.Option(..., help="models:/name@alias, runs:/<id>
 def models_register(run_id: str = typer.Option(..., help="MLflow run holding the 'adapter' artifacts."),
                     name: str = typer.Option("clarifier"), alias: Optional[str] = typer.Option(None)):
     """Register a training run's adapter as a new model version (optionally set an alias)."""
-    from .registry.registry import register_adapter
+    from clarifier.registry.registry import register_adapter
 
     mv = register_adapter(run_id, name, alias=alias)
     _say(f"registered {name} version {mv.version}" + (f" with alias {alias}" if alias else ""))
@@ -266,7 +266,7 @@ def models_promote(name: str = typer.Argument(..., help="Registered model name."
 
     Exit code 0 when promoted, 1 when the gate refused, 2 on a usage/config error.
     """
-    from .registry.promotion import PromotionError, promote
+    from clarifier.registry.promotion import PromotionError, promote
 
     cfg = _cfg(config, overrides)
     try:
@@ -310,7 +310,7 @@ def models_rollback(name: str = typer.Argument(..., help="Registered model name.
                     reason: Optional[str] = typer.Option(None, help="Why (recorded in the audit log)."),
                     config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """Point an alias back at the version it held before (from the audit log); the rollback is audited too."""
-    from .registry.promotion import PromotionError, rollback
+    from clarifier.registry.promotion import PromotionError, rollback
 
     cfg = _cfg(config, overrides)
     try:
@@ -368,7 +368,7 @@ def models_diff(name: str = typer.Argument(..., help="Registered model name."),
     from mlflow.exceptions import MlflowException
     from rich.table import Table
 
-    from .registry.registry import KEY_METRICS, logged_eval_sets
+    from clarifier.registry.registry import KEY_METRICS, logged_eval_sets
 
     cfg = _cfg(config, overrides)
     client = MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
@@ -411,7 +411,7 @@ def _as_float(v):
 @recipe_app.command("list")
 def recipe_list():
     """The named recipes and their benchmark plans."""
-    from .recipes import PLANS_DIR, available_recipes, recipe_path
+    from clarifier.recipes import PLANS_DIR, available_recipes, recipe_path
 
     for name in available_recipes():
         plan = PLANS_DIR / f"{name}.yaml"
@@ -425,7 +425,7 @@ def recipe_benchmark(plan: str = typer.Argument(..., help="Plan name (benchmarks
                      overrides: Optional[list[str]] = OverridesArg):
     """Train and evaluate every row of the recipe's comparison table (baselines, zero-shot, variants, ablations,
     leave-one-dataset-out) with the platform's own jobs; writes <out>.json and <out>.md."""
-    from .recipes.benchmark import run_benchmark
+    from clarifier.recipes.benchmark import run_benchmark
 
     try:
         run_benchmark(plan, out=out, workdir=workdir, overrides=overrides or [], progress=_say)
@@ -437,8 +437,8 @@ def recipe_benchmark(plan: str = typer.Argument(..., help="Plan name (benchmarks
 @app.command()
 def serve(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """Start the Ray Serve application locally (blocks; Ctrl-C stops it)."""
-    from .runtime import init_ray
-    from .serving.app import run_local
+    from clarifier.runtime.cluster import init_ray
+    from clarifier.serving.app import run_local
 
     cfg = _cfg(config, overrides)
     init_ray()

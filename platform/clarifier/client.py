@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
-from .schema import ClarifyResponse, Passage, Turn
+from clarifier.core.schema import ClarifyResponse, Passage, Turn
 
 RETRY_STATUS = frozenset({502, 503, 504})
 MAX_RETRY_AFTER_S = 30.0

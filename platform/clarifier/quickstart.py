@@ -12,8 +12,8 @@ import os
 import time
 from pathlib import Path
 
-from .config import ClarifierConfig, load_config
-from .services import free_port, mlflow_env, port_busy, start_mlflow_server
+from clarifier.core.config import ClarifierConfig, load_config
+from clarifier.runtime.services import free_port, mlflow_env, port_busy, start_mlflow_server
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "quickstart.yaml"
 
@@ -45,7 +45,7 @@ def run_quickstart(workdir: str | Path = ".clarifier/quickstart", config: str | 
     cfg.tracking.tracking_uri = server.url
     progress(f"MLflow: {server.url}  (UI: open it in a browser; log {server.log_path})")
     try:
-        from .runtime import init_ray
+        from clarifier.runtime.cluster import init_ray
 
         ray = init_ray()
         dash = getattr(getattr(ray._private.worker.global_worker, "node", None), "webui_url", None)
@@ -57,12 +57,12 @@ def run_quickstart(workdir: str | Path = ".clarifier/quickstart", config: str | 
 
 
 def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress, t_all) -> dict:
-    from . import storage
-    from .data.pipeline import prepare
-    from .data.synthetic import write_logs
-    from .evaluation.evaluate import evaluate
-    from .registry.registry import register_adapter
-    from .train.trainer import train
+    from clarifier.runtime import storage
+    from clarifier.data.pipeline import prepare
+    from clarifier.data.synthetic import write_logs
+    from clarifier.evaluation.evaluate import evaluate
+    from clarifier.registry.registry import register_adapter
+    from clarifier.train.trainer import train
 
     stage(2, f"synthetic conversation logs -> {store / 'logs'}")
     storage.delete_dir(str(store / "logs"))
@@ -114,7 +114,7 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
 def example_requests(cfg: ClarifierConfig, n: int = N_EXAMPLE_REQUESTS) -> list[tuple[dict, bool]]:
     """``(request body, gold decision)`` pairs from the held-out test split: the first n/2 turns
     that need clarification and the first n/2 that do not (chosen by label, not by prediction)."""
-    from .data.pipeline import load_split
+    from clarifier.data.pipeline import load_split
 
     test = load_split(cfg.data.output, cfg.eval.split)
     picked = [e for e in test if e.needs_clarification][: n // 2] + [e for e in test if not e.needs_clarification][: n - n // 2]
@@ -123,9 +123,9 @@ def example_requests(cfg: ClarifierConfig, n: int = N_EXAMPLE_REQUESTS) -> list[
 
 
 def _serve_examples(cfg: ClarifierConfig, uri: str, progress) -> list[dict]:
-    from .client import ClarifierClient
-    from .serving.app import run_local
-    from .serving.auth import load_api_keys
+    from clarifier.client import ClarifierClient
+    from clarifier.serving.app import run_local
+    from clarifier.serving.auth import load_api_keys
 
     serve_cfg = cfg.serve.model_copy(update={"model_uri": uri})
     url = run_local(serve_cfg, tracking_uri=cfg.tracking.tracking_uri)

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 def ray_local(mlflow_server):
     import ray
 
-    from clarifier.runtime import init_ray
+    from clarifier.runtime.cluster import init_ray
 
     init_ray(num_cpus=4)  # 2 train workers + room for the Ray Data tasks feeding them
     yield
@@ -32,13 +32,13 @@ def test_logs_to_served_model(tiny_model_dir, mlflow_server, ray_local, tmp_path
     import httpx
     from mlflow import MlflowClient
 
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.data.pipeline import prepare
     from clarifier.data.synthetic import write_logs
     from clarifier.evaluation.evaluate import evaluate
     from clarifier.registry.registry import register_adapter
     from clarifier.serving.app import run_local
-    from clarifier.services import free_port
+    from clarifier.runtime.services import free_port
     from clarifier.train.trainer import train
 
     logs, data = tmp_path / "logs", tmp_path / "data"

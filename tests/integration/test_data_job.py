@@ -9,11 +9,11 @@ from pathlib import Path
 import pyarrow.dataset as pads
 import pytest
 
-from clarifier.config import build_config
+from clarifier.core.config import build_config
 from clarifier.data.pipeline import FILTERED_COLUMNS, QUARANTINE_COLUMNS, SPLIT_COLUMNS, load_split, prepare, read_manifest
 from clarifier.data.split import assign_split
 from clarifier.data.synthetic import generate_conversations, write_logs
-from clarifier.schema import ConversationLog
+from clarifier.core.schema import ConversationLog
 
 pytestmark = pytest.mark.integration
 RAY_CPUS = 2

@@ -11,11 +11,11 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from clarifier.config import build_config
+from clarifier.core.config import build_config
 from clarifier.data.labelling import label_conversation
 from clarifier.data.pipeline import FILTERED_COLUMNS, load_split, prepare
 from clarifier.data.synthetic import generate_conversations
-from clarifier.schema import ConversationLog
+from clarifier.core.schema import ConversationLog
 
 pytestmark = pytest.mark.integration
 RAY_CPUS = 2

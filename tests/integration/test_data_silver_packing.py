@@ -8,10 +8,10 @@ from pathlib import Path
 import pyarrow.dataset as pads
 import pytest
 
-from clarifier.config import build_config
+from clarifier.core.config import build_config
 from clarifier.data.pipeline import PACKED_DIR, load_split, prepare
 from clarifier.data.synthetic import generate_conversations
-from clarifier.schema import ConversationLog
+from clarifier.core.schema import ConversationLog
 
 pytestmark = pytest.mark.integration
 RAY_CPUS = 3

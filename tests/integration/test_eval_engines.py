@@ -17,7 +17,7 @@ BATCH = 3  # small, so the set spans several batches with different padding and 
 
 def _examples(n=10):
     from clarifier.data.synthetic import generate_conversations
-    from clarifier.schema import ConversationLog
+    from clarifier.core.schema import ConversationLog
 
     out = []
     for conv in generate_conversations(40, seed=11):
@@ -37,7 +37,7 @@ def adapter(tmp_path_factory, tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from clarifier.inference import ClarifierEngine, ModelMeta, write_meta
+    from clarifier.engine.inference import ClarifierEngine, ModelMeta, write_meta
 
     folder = tmp_path_factory.mktemp("eval-engines") / "adapter"
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
@@ -62,7 +62,7 @@ def eval_file(tmp_path_factory) -> Path:
 @pytest.mark.timeout(600)
 def test_ray_engine_equals_local_engine(adapter, tiny_model_dir, ray_local):
     from clarifier.evaluation.ray_engine import ray_predict
-    from clarifier.inference import ClarifierEngine
+    from clarifier.engine.inference import ClarifierEngine
 
     examples = _examples()
     local_engine = ClarifierEngine.from_folder(adapter, max_new_tokens=8)
@@ -84,10 +84,10 @@ def test_ray_engine_equals_local_engine(adapter, tiny_model_dir, ray_local):
 @pytest.mark.timeout(900)
 def test_eval_report_local_and_ray_agree_and_carry_baselines_similarity_skips(
         adapter, eval_file, ray_local, tmp_path):
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.evaluation.baselines import lexical_predictions
     from clarifier.evaluation.evaluate import evaluate, load_eval_data
-    from clarifier.similarity import SentenceEncoder
+    from clarifier.engine.similarity import SentenceEncoder
 
     base = [f"eval.batch_size={BATCH}", "eval.max_new_tokens=8", "eval.baselines=[always_ask,never_ask,lexical]"]
     msgs: list[str] = []
@@ -128,7 +128,7 @@ def test_eval_report_local_and_ray_agree_and_carry_baselines_similarity_skips(
 @pytest.mark.timeout(300)
 def test_compared_models_get_rows_of_their_own(adapter, eval_file, tmp_path):
     """eval.compare (CLI --compare NAME=URI) puts e.g. the pipeline variant in the same report."""
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.evaluation.evaluate import evaluate
 
     cfg = build_config({"eval": {"compare": {"pipeline": str(adapter)}}},

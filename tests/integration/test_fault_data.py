@@ -13,8 +13,8 @@ import time
 import pyarrow.dataset as pads
 import pytest
 
-from clarifier import storage
-from clarifier.config import build_config
+from clarifier.runtime import storage
+from clarifier.core.config import build_config
 from clarifier.data.pipeline import DataJobError, prepare, read_manifest
 from clarifier.data.synthetic import write_logs
 
@@ -26,7 +26,7 @@ def own_s3(monkeypatch):
     """A moto S3 server of this test's own, which the test can stop and restart on the same port."""
     from moto.server import ThreadedMotoServer
 
-    from clarifier.services import free_port
+    from clarifier.runtime.services import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -40,7 +40,7 @@ def _wait(what: str, cond, timeout_s: float, every_s: float = 0.25):
 @pytest.fixture
 def own_mlflow(tmp_path):
     """An ``mlflow server`` of this test's own that it can stop and restart on the same port and store."""
-    from clarifier.services import free_port, start_mlflow_server
+    from clarifier.runtime.services import free_port, start_mlflow_server
 
     root, port = tmp_path / "mlflow", free_port()
     state = {"server": start_mlflow_server(root, port=port)}
@@ -77,7 +77,7 @@ def mlflow_globals(monkeypatch):
 def ray_own():
     import ray
 
-    from clarifier.runtime import init_ray
+    from clarifier.runtime.cluster import init_ray
 
     if ray.is_initialized():
         ray.shutdown()
@@ -91,7 +91,7 @@ def test_tracking_outage_mid_training_loses_no_metrics(own_mlflow, mlflow_global
                                                        reliability):
     from mlflow import MlflowClient
 
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.data.pipeline import prepare
     from clarifier.data.synthetic import write_logs
     from clarifier.train.tracking import parse_step_ranges

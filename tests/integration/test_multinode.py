@@ -7,7 +7,7 @@ store, temp dir and ports. Both are started in an environment holding the loopba
 (moto) with its credentials and the MLflow server's URI, as a cluster's pods get them from their
 ConfigMap and Secrets. The test then submits the data job and the training job with the CLI
 (``clarifier data prepare --submit http://<dashboard> ...``, ``clarifier train --submit ...``), so
-they travel the documented way (``clarifier.submit``: a working dir with the resolved config,
+they travel the documented way (``clarifier.runtime.submit``: a working dir with the resolved config,
 this checkout's package as ``py_modules``, non-secret env only); input, output and checkpoint
 storage are ``s3://`` prefixes in the moto bucket. (The tiny base model is a local folder, which
 both nodes see because they share the host; on separate hosts it would be an ``s3://`` prefix.)
@@ -77,7 +77,7 @@ def _node_env(tag: str) -> dict[str, str]:
 def _ports() -> list[str]:
     """Every port a node opens that has a fixed default (two nodes, or another test's head, on one
     host would otherwise collide on e.g. the dashboard agent's 52365)."""
-    from clarifier.services import free_port
+    from clarifier.runtime.services import free_port
 
     return [f"--{name}={free_port()}" for name in (
         "node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
@@ -125,7 +125,7 @@ def two_node_cluster(s3_server, mlflow_server):
     from ray.job_submission import JobSubmissionClient
     from ray.util.state import list_nodes
 
-    from clarifier.services import free_port
+    from clarifier.runtime.services import free_port
 
     port, dash, client_port = free_port(), free_port(), free_port()
     # Short paths: Ray's socket paths have a length limit.

@@ -50,7 +50,7 @@ def _run_with_report(tmp_path, f1, oa, validity=1.0, fingerprint=FP, adapter: Pa
 
 
 def _cfg(tmp_path, *extra):
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
 
     return build_config({}, [f"storage.root={tmp_path / 'store'}", *extra])
 
@@ -175,7 +175,7 @@ def tiny_adapters(tmp_path_factory, tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from clarifier.inference import ModelMeta, write_meta
+    from clarifier.engine.inference import ModelMeta, write_meta
 
     root = tmp_path_factory.mktemp("adapters")
     out = {}

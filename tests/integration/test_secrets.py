@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from clarifier import storage
+from clarifier.runtime import storage
 
 pytestmark = pytest.mark.integration
 
@@ -29,8 +29,8 @@ def secret_env(monkeypatch, mlflow_server):
     import ray
     from moto.server import ThreadedMotoServer
 
-    from clarifier.runtime import init_ray
-    from clarifier.services import free_port
+    from clarifier.runtime.cluster import init_ray
+    from clarifier.runtime.services import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -57,7 +57,7 @@ def test_no_secret_in_logs_params_manifest_or_errors(secret_env, tiny_model_dir,
     import boto3
     from mlflow import MlflowClient
 
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.data.pipeline import DataJobError, prepare
     from clarifier.data.synthetic import write_logs
     from clarifier.train.trainer import train

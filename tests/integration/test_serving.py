@@ -20,8 +20,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (tinymodel)
 
-from clarifier.config import ConfigError, ServeConfig  # noqa: E402
-from clarifier.schema import ClarifyResponse  # noqa: E402
+from clarifier.core.config import ConfigError, ServeConfig  # noqa: E402
+from clarifier.core.schema import ClarifyResponse  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_HISTORY = 5
@@ -96,7 +96,7 @@ def model_folder(tmp_path_factory) -> Path:
     from tinymodel import build_tiny_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from clarifier.inference import ModelMeta, write_meta
+    from clarifier.engine.inference import ModelMeta, write_meta
 
     root = tmp_path_factory.mktemp("serving")
     base = build_tiny_model(root / "tiny")
@@ -213,7 +213,7 @@ def test_concurrent_requests_are_batched_and_all_succeed(server):
 @pytest.mark.timeout(300)
 def test_client_against_server(server, model_folder):
     from clarifier.client import ClarifierAPIError, ClarifierClient
-    from clarifier.schema import Passage, Turn
+    from clarifier.core.schema import Passage, Turn
 
     with ClarifierClient(server, api_key=KEY, timeout=60) as c:
         assert c.ready()

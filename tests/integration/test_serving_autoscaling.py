@@ -14,8 +14,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (tinymodel)
 
-from clarifier.config import ServeConfig  # noqa: E402
-from clarifier.services import free_port  # noqa: E402
+from clarifier.core.config import ServeConfig  # noqa: E402
+from clarifier.runtime.services import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -30,8 +30,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (tinymodel)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_serving_lifecycle.make_adapter
 
-from clarifier.config import ServeConfig  # noqa: E402
-from clarifier.services import free_port  # noqa: E402
+from clarifier.core.config import ServeConfig  # noqa: E402
+from clarifier.runtime.services import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability, pytest.mark.slow]
 

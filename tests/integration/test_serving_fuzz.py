@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_serving_lifecyc
 
 import schemathesis  # noqa: E402
 
-from clarifier.config import ServeConfig  # noqa: E402
-from clarifier.services import free_port  # noqa: E402
+from clarifier.core.config import ServeConfig  # noqa: E402
+from clarifier.runtime.services import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]
 

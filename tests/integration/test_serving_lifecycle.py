@@ -21,8 +21,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (tinymodel)
 
-from clarifier.config import ServeConfig  # noqa: E402
-from clarifier.services import free_port  # noqa: E402
+from clarifier.core.config import ServeConfig  # noqa: E402
+from clarifier.runtime.services import free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ def make_adapter(base: Path, out: Path, seed: int, threshold: float) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from clarifier.inference import ModelMeta, write_meta
+    from clarifier.engine.inference import ModelMeta, write_meta
 
     torch.manual_seed(seed)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),

@@ -35,7 +35,7 @@ def _own_pids(marker: str) -> list[int]:
 def ray_head(s3_server):
     """A real `ray start --head`; like a cluster node it has its own S3 endpoint and credentials
     (from the environment it was started in), which submitted jobs use without shipping them."""
-    from clarifier.services import free_port
+    from clarifier.runtime.services import free_port
 
     port, dash = free_port(), free_port()
     tmp = tempfile.mkdtemp(prefix="clrh-", dir="/tmp")  # short: Ray's socket paths have a length limit
@@ -92,9 +92,9 @@ def ray_head(s3_server):
 def test_submitted_data_job_runs_this_checkout_and_reports_success(ray_head, tiny_model_dir, tmp_path, monkeypatch):
     from ray.job_submission import JobSubmissionClient
 
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.data.synthetic import write_logs
-    from clarifier.submit import submit_stage
+    from clarifier.runtime.submit import submit_stage
 
     write_logs(str(tmp_path / "logs"), 20, seed=1, shards=1)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # a non-secret setting: forwarded
@@ -147,7 +147,7 @@ def test_jobs_entrypoint_under_ray_job_submit_on_s3(ray_head, tiny_model_dir, s3
     """The documented `ray job submit --working-dir . -- python jobs/prepare_data.py ...` on s3:// paths."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    from clarifier import storage
+    from clarifier.runtime import storage
     from clarifier.data.synthetic import write_logs
 
     repo = Path(__file__).resolve().parents[2]

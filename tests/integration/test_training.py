@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.integration]
 
 @pytest.fixture(scope="module")
 def prepared(tiny_model_dir, ray_local, tmp_path_factory):
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.data.pipeline import prepare
     from clarifier.data.synthetic import write_logs
 
@@ -54,7 +54,7 @@ def _history(client, run_id: str, key: str = "train/loss") -> list[tuple[int, fl
 def test_killed_worker_resumes_exactly(prepared, mlflow_server, reliability):
     from mlflow import MlflowClient
 
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.train.trainer import train
 
     client = MlflowClient()
@@ -101,7 +101,7 @@ def test_killed_worker_resumes_exactly(prepared, mlflow_server, reliability):
 def test_zero3_checkpoint_restored_by_two_workers_on_rerun(prepared, mlflow_server):
     from mlflow import MlflowClient
 
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.train.trainer import train
 
     overrides = [*prepared, "train.experiment=resume-b", "train.run_name=z3", "train.zero_stage=3",
@@ -135,10 +135,10 @@ def test_zero3_checkpoint_restored_by_two_workers_on_rerun(prepared, mlflow_serv
 def test_pipeline_variant_trains_three_adapters_that_compose(prepared, mlflow_server):
     from mlflow import MlflowClient
 
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.data.pipeline import load_split, read_manifest
-    from clarifier.inference import ClarifierEngine
-    from clarifier.pipeline_engine import PipelineEngine
+    from clarifier.engine.inference import ClarifierEngine
+    from clarifier.engine.pipeline import PipelineEngine
     from clarifier.train.trainer import train
 
     cfg = build_config({}, [*prepared, "train.experiment=variants", "train.variant=pipeline", "train.max_steps=2",
@@ -180,9 +180,9 @@ def test_full_finetune_under_zero3_writes_whole_model_that_loads_and_registers(p
     from mlflow import MlflowClient
     from safetensors.torch import load_file
 
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.data.pipeline import load_split
-    from clarifier.inference import ClarifierEngine, read_meta
+    from clarifier.engine.inference import ClarifierEngine, read_meta
     from clarifier.registry.registry import register_adapter, resolve_model_uri
     from clarifier.train.trainer import train
 

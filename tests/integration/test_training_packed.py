@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.integration]
 def test_training_on_packed_blocks(tiny_model_dir, ray_local, mlflow_server, tmp_path):
     from mlflow import MlflowClient
 
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.data.pipeline import prepare
     from clarifier.data.synthetic import write_logs
     from clarifier.train.trainer import train
@@ -37,7 +37,7 @@ def test_training_on_packed_blocks(tiny_model_dir, ray_local, mlflow_server, tmp
 
 @pytest.mark.timeout(120)
 def test_packing_refuses_a_data_job_without_blocks(tiny_model_dir, ray_local, tmp_path):
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.data.pipeline import prepare
     from clarifier.data.synthetic import write_logs
     from clarifier.train.trainer import train

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration]
 def ray_with_s3(s3_server, mlflow_server):
     import ray
 
-    from clarifier.runtime import init_ray
+    from clarifier.runtime.cluster import init_ray
 
     init_ray(num_cpus=4)  # after s3_server: the workers get its endpoint and test credentials
     yield
@@ -27,7 +27,7 @@ def test_checkpoints_go_to_s3_and_a_killed_worker_resumes_from_there(ray_with_s3
     import boto3
     from mlflow import MlflowClient
 
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
     from clarifier.data.pipeline import prepare
     from clarifier.data.synthetic import write_logs
     from clarifier.train.trainer import train

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from clarifier.evaluation.baselines import (
-    baseline_predictions,
-    candidate_entities,
-    lexical_decision,
-    lexical_predictions,
-)
-from clarifier.evaluation.metrics import evaluate_predictions
-from clarifier.schema import Example, Turn
+from clarifier.evaluation.baselines import baseline_predictions, candidate_entities, lexical_decision, lexical_predictions
+from clarifier.core.metrics import evaluate_predictions
+from clarifier.core.schema import Example, Turn
 
 
 def _h(*texts, roles=None):

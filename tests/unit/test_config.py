@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from clarifier.config import ConfigError, build_config, flatten, load_config
+from clarifier.core.config import ConfigError, build_config, flatten, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from clarifier.grounding_constraint import LINE_HEAD, GroundingConstraint, valid_grounding_prefix
-from clarifier.inference import end_at_question_line
-from clarifier.target import parse_target
+from clarifier.engine.grounding_constraint import LINE_HEAD, GroundingConstraint, valid_grounding_prefix
+from clarifier.engine.inference import end_at_question_line
+from clarifier.core.target import parse_target
 
 
 @pytest.mark.parametrize("rest", [
@@ -50,7 +50,7 @@ def test_processor_keeps_a_random_model_inside_the_grammar(tiny_model_dir):
     import torch
     from transformers import LogitsProcessorList
 
-    from clarifier.models import load_causal_lm, load_tokenizer
+    from clarifier.engine.models import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))
     model = load_causal_lm(str(tiny_model_dir)).eval()

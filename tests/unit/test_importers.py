@@ -15,7 +15,7 @@ from clarifier.data.importers import available_importers, get_importer, import_d
 from clarifier.data.importers.claqua import fill_template
 from clarifier.data.importers.pacific import render_answer
 from clarifier.data.validate import parse_line
-from clarifier.schema import Example
+from clarifier.core.schema import Example
 
 PUBLIC = SHARED / "data" / "public"
 pytestmark = pytest.mark.skipif(
@@ -81,7 +81,7 @@ def test_unknown_or_bad_option_is_an_error_naming_it():
 def test_third_party_importer_via_entry_point(tmp_path, monkeypatch):
     (tmp_path / "toy_importer_mod.py").write_text(
         "from clarifier.data.importers.base import Importer, ImporterOptions, Skipped\n"
-        "from clarifier.schema import Example\n"
+        "from clarifier.core.schema import Example\n"
         "class Opts(ImporterOptions):\n    n: int = 2\n"
         "def run(src, opts):\n"
         "    def gen():\n"
@@ -347,7 +347,7 @@ def test_cli_import_single_file(tmp_path):
 
 
 def test_export_to_s3_prefix(s3_bucket):
-    from clarifier import storage
+    from clarifier.runtime import storage
     from clarifier.data.importers.export import export_dataset
 
     out = f"s3://{s3_bucket}/public/claqua"

@@ -8,12 +8,10 @@ from collections import Counter
 import pytest
 from conftest import SHARED
 
-from clarifier.config import ConfigError, LabellingConfig, build_config
-from clarifier.data.labelling import (
-    FILTER_REASONS, content_words, is_clarifying_question, label_conversation, lexical_grounding, question_text,
-)
+from clarifier.core.config import ConfigError, LabellingConfig, build_config
+from clarifier.data.labelling import FILTER_REASONS, content_words, is_clarifying_question, label_conversation, lexical_grounding, question_text
 from clarifier.data.validate import parse_line, parse_line_full
-from clarifier.schema import ConversationLog, Turn
+from clarifier.core.schema import ConversationLog, Turn
 
 RULES = LabellingConfig()
 

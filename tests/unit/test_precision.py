@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from clarifier import precision as P
-from clarifier.config import ConfigError, build_config
-from clarifier.schema import ClarifyRequest, ConversationLog
+from clarifier.engine import precision as P
+from clarifier.core.config import ConfigError, build_config
+from clarifier.core.schema import ClarifyRequest, ConversationLog
 
 
 def test_auto_is_bf16_only_where_the_device_has_it(monkeypatch):
@@ -70,7 +70,7 @@ def _items(n=12, seed=4):
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    from clarifier.inference import ClarifierEngine
+    from clarifier.engine.inference import ClarifierEngine
 
     return {p: ClarifierEngine.from_base(str(tiny_model_dir), precision=p, max_new_tokens=16) for p in ("fp32", "bf16")}
 
@@ -104,7 +104,7 @@ def test_decision_probability_is_computed_from_fp32_logits(engines):
     rows of the output embedding, not the model's bf16 logits (rounded to an 8-bit mantissa)."""
     import torch
 
-    from clarifier.inference import positions_from_mask
+    from clarifier.engine.inference import positions_from_mask
 
     eng = engines["bf16"]
     items = _items(6)

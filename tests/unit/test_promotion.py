@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from clarifier.config import GateConfig, build_config
+from clarifier.core.config import GateConfig, build_config
 from clarifier.registry.audit import AuditLog, AuditLogError, alias_history
 from clarifier.registry.promotion import gate_decision
 

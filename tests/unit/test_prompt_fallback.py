@@ -1,6 +1,6 @@
 """The plain-text prompt (tokenizers without a chat template) starts with BOS when the tokenizer would add one."""
 
-from clarifier.prompt import SYSTEM_PROMPT, render_prompt
+from clarifier.core.prompt import SYSTEM_PROMPT, render_prompt
 
 
 class _Tok:

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clarifier.config import ConfigError, build_config
+from clarifier.core.config import ConfigError, build_config
 from clarifier.data.validate import parse_line
-from clarifier.schema import Example
-from clarifier.target import JointTarget, TargetParseError, parse_target, render_target, try_parse_target
+from clarifier.core.schema import Example
+from clarifier.core.target import JointTarget, TargetParseError, parse_target, render_target, try_parse_target
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

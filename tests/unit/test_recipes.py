@@ -9,12 +9,11 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import SHARED
-from clarifier.config import ConfigError, build_config
+from clarifier.core.config import ConfigError, build_config
 from clarifier.data.sources import OWNER_FILE, cap_by_conversation, materialize_sources, source_of
-from clarifier.evaluation.error_analysis import (ASKS_CLEAR, FORMAT, MISSED, OK, VAGUE, WRONG_ASPECT, analyse,
-                                                 decision_error, question_category)
-from clarifier.evaluation.metrics import Prediction, recall_at_over_asking
-from clarifier.schema import Example, Turn
+from clarifier.evaluation.error_analysis import ASKS_CLEAR, FORMAT, MISSED, OK, VAGUE, WRONG_ASPECT, analyse, decision_error, question_category
+from clarifier.core.metrics import Prediction, recall_at_over_asking
+from clarifier.core.schema import Example, Turn
 
 PUBLIC = SHARED / "data" / "public"
 

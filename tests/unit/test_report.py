@@ -7,9 +7,9 @@ import json
 import matplotlib.image
 import pytest
 
-from clarifier.evaluation.metrics import Prediction, evaluate_predictions
+from clarifier.core.metrics import Prediction, evaluate_predictions
 from clarifier.evaluation.report import format_table, write_report
-from clarifier.schema import Example, Turn
+from clarifier.core.schema import Example, Turn
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from clarifier.schema import ClarifyRequest, ConversationLog, Example
+from clarifier.core.schema import ClarifyRequest, ConversationLog, Example
 
 SHARED_EXAMPLE = {
     "id": "abc-1",

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from clarifier.config import ConfigError
+from clarifier.core.config import ConfigError
 from clarifier.serving.auth import ApiKeyAuth, key_digests, load_api_keys, presented_key
 from clarifier.serving.lifecycle import ModelLifecycle, parse_alias_uri, pinned_uri
 
@@ -165,7 +165,7 @@ def test_watcher_thread_switches_and_stops():
 def test_ingress_metrics_classify_answers():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from clarifier.schema import ClarifyResponse
+    from clarifier.core.schema import ClarifyResponse
     from clarifier.serving.metrics import IngressMetrics
 
     m = IngressMetrics(ray=False)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from clarifier.data.synthetic import KINDS, generate_conversations, write_logs
-from clarifier.schema import ConversationLog
+from clarifier.core.schema import ConversationLog
 
 
 @pytest.fixture(scope="module")

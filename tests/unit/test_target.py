@@ -1,7 +1,6 @@
 import pytest
 
-from clarifier.target import (JointTarget, TargetParseError, parse_target, render_segments, render_target,
-                              try_parse_target)
+from clarifier.core.target import JointTarget, TargetParseError, parse_target, render_segments, render_target, try_parse_target
 
 
 @pytest.mark.parametrize("t", [

@@ -6,12 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from clarifier.config import ConfigError, build_config
-from clarifier.train.loop import (
-    PIPELINE_PARTS, batch_indices, canonical_train_table, deepspeed_config, epoch_permutation, make_batch, micro_batches_per_epoch,
-    rng_state, segment_scale, set_rng_state,
-)
-from clarifier.train.objective import IGNORE, SEGMENT_IDS
+from clarifier.core.config import ConfigError, build_config
+from clarifier.train.loop import PIPELINE_PARTS, batch_indices, canonical_train_table, deepspeed_config, epoch_permutation, make_batch, micro_batches_per_epoch, rng_state, segment_scale, set_rng_state
+from clarifier.core.objective import IGNORE, SEGMENT_IDS
 
 
 def test_data_order_is_a_function_of_seed_and_epoch_and_skipping_reproduces_it():
@@ -97,7 +94,7 @@ def test_deepspeed_config_offload_and_errors_name_the_key():
 def test_job_configs_for_one_cpu_box_one_gpu_and_a_gpu_cluster():
     from pathlib import Path
 
-    from clarifier.config import load_config
+    from clarifier.core.config import load_config
 
     configs = Path(__file__).resolve().parents[2] / "jobs" / "configs"
     cpu = load_config(configs / "quickstart.yaml").train
@@ -115,7 +112,7 @@ def test_job_configs_for_one_cpu_box_one_gpu_and_a_gpu_cluster():
 
 
 def test_no_warmup_is_one_flat_step_deepspeed_accepts():
-    from clarifier.config import build_config
+    from clarifier.core.config import build_config
 
     for over, steps in ((["train.warmup_steps=0"], 10), (["train.warmup_steps=5"], 1)):
         sched = deepspeed_config(build_config({}, over), steps)["scheduler"]["params"]
@@ -131,11 +128,11 @@ def test_target_only_logits_give_the_loss_of_full_logits(tiny_model_dir, tiny_to
     import torch
 
     from clarifier.data.synthetic import generate_conversations
-    from clarifier.models import load_causal_lm
-    from clarifier.prompt import PromptOptions
-    from clarifier.schema import ConversationLog
+    from clarifier.engine.models import load_causal_lm
+    from clarifier.core.prompt import PromptOptions
+    from clarifier.core.schema import ConversationLog
     from clarifier.train.loop import forward_loss
-    from clarifier.train.objective import SegmentWeights, collate, encode_example, joint_loss
+    from clarifier.core.objective import SegmentWeights, collate, encode_example, joint_loss
 
     exs = [e for c in generate_conversations(6, seed=3) for e in ConversationLog.model_validate(c).explode()][:4]
     rows = [encode_example(e, tiny_tokenizer, SegmentWeights(), PromptOptions(), 512) for e in exs]

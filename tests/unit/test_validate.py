@@ -131,7 +131,7 @@ def test_oversized_turn():
 
 
 def test_default_turn_limit_from_config():
-    from clarifier.config import DataConfig
+    from clarifier.core.config import DataConfig
 
     limit = DataConfig().max_turn_chars
     assert parse_line(with_(query="q" * limit), "x", 1)[1] is None

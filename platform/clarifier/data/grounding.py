@@ -2,7 +2,7 @@
 
 Many sources (raw logs, ClariQ, CLAQUA) give a clarifying question but not the turns it is about.
 The labeller embeds the question and every eligible prior turn with all-MiniLM-L6-v2
-(:mod:`clarifier.similarity`) and picks the turns that are both similar enough in absolute terms
+(:mod:`clarifier.engine.similarity`) and picks the turns that are both similar enough in absolute terms
 and close to the best match:
 
     chosen = top ``max_turns`` of { i : sim_i >= min_similarity and sim_i >= max(sim) - margin }
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import pyarrow as pa
 
-from ..schema import Example
+from clarifier.core.schema import Example
 
 # Columns the grounder adds to each row (the data job aggregates them into the manifest).
 GROUNDING_COLUMNS = [
@@ -77,8 +77,8 @@ class SilverGrounder:
 
     def __init__(self, encoder: str | None, min_similarity: float, margin: float, max_turns: int,
                  roles: Sequence[str], compare_with_gold: bool = True, cpus: float = 1):
-        from ..precision import set_threads
-        from ..similarity import SentenceEncoder
+        from clarifier.engine.precision import set_threads
+        from clarifier.engine.similarity import SentenceEncoder
 
         set_threads(cpus)  # the actor's reserved CPUs, not a thread per core of the node
         self.encoder = SentenceEncoder(encoder)

@@ -16,7 +16,7 @@ user turn needed:
 System turns are kept in the history but are skipped when looking for "the next turn".
 
 **Clarifying question** (:func:`is_clarifying_question`, all configurable in
-``data.labelling`` = :class:`clarifier.config.LabellingConfig`): a non-empty assistant turn of at
+``data.labelling`` = :class:`clarifier.core.config.LabellingConfig`): a non-empty assistant turn of at
 most ``max_question_chars`` characters that (if ``require_question_mark``) ends with ``?``, matches
 none of ``exclude_patterns`` ("anything else?", "does that help?" -- answers that end with a
 courtesy question) and at least one of ``patterns`` ("do you mean", "which one/of", "could you
@@ -45,8 +45,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..config import LabellingConfig
-from ..schema import ConversationLog, Example, Turn
+from clarifier.core.config import LabellingConfig
+from clarifier.core.schema import ConversationLog, Example, Turn
 
 FILTER_REASONS: dict[str, str] = {
     "no_reply": "the conversation ends after this user turn: outcome unknown",

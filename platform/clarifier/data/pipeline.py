@@ -21,7 +21,7 @@ Stages (all Ray Data, nothing but small counts is collected in the driver):
    alone (``dedup_key``, ``order_key``; the examples themselves are not shuffled) finds each key
    seen more than once and its first row (by source, line, id); only those keys reach the driver,
    and the rows after the first are filtered with reason ``duplicate`` as they stream past;
-5. **tokenise** with :func:`clarifier.train.objective.encode_examples` in a fixed actor pool (one
+5. **tokenise** with :func:`clarifier.core.objective.encode_examples` in a fixed actor pool (one
    tokenizer per actor, the cluster's CPUs but one; a batch's prompts and targets tokenised in
    one call each); an example whose sequence exceeds ``data.max_length`` (its target would be cut)
    is filtered with reason ``too_long``. With ``data.silver_grounding`` the MiniLM grounder runs
@@ -51,12 +51,12 @@ from typing import Callable
 
 import pyarrow as pa
 
-from .. import storage
-from ..config import ClarifierConfig, LabellingConfig
-from ..schema import Example
-from .grounding import AGREE_COLUMNS, GROUNDING_COLUMNS
-from .split import assign_split
-from .validate import check_object, parse_line_full, quarantine_record
+from clarifier.runtime import storage
+from clarifier.core.config import ClarifierConfig, LabellingConfig
+from clarifier.core.schema import Example
+from clarifier.data.grounding import AGREE_COLUMNS, GROUNDING_COLUMNS
+from clarifier.data.split import assign_split
+from clarifier.data.validate import check_object, parse_line_full, quarantine_record
 
 SUFFIXES = {"jsonl": ".jsonl", "jsonl.gz": ".jsonl.gz", "parquet": ".parquet"}
 LABELLING_REASON_PREFIX = "labelling:"  # filtered_by_reason keys of user turns the labelling rules dropped
@@ -262,9 +262,9 @@ class Encoder:
 
     def __init__(self, base_model: str, resolved: str, cache_dir: str | None, weights: dict,
                  max_prompt_tokens: int, max_length: int):
-        from ..models import load_tokenizer, resolve_base_model
-        from ..prompt import PromptOptions
-        from ..train.objective import SegmentWeights
+        from clarifier.engine.models import load_tokenizer, resolve_base_model
+        from clarifier.core.prompt import PromptOptions
+        from clarifier.core.objective import SegmentWeights
 
         # The driver's resolved folder when this node has it, else resolve here (other node: own cache).
         path = resolved if (Path(resolved) / "config.json").is_file() else resolve_base_model(base_model, cache_dir)
@@ -274,7 +274,7 @@ class Encoder:
         self.max_length = max_length
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from ..train.objective import encode_examples
+        from clarifier.core.objective import encode_examples
 
         names = [n for n in ENCODED_SCHEMA.names if n in batch.column_names]
         rows = batch.select(names).to_pylist()
@@ -307,7 +307,7 @@ def git_commit() -> str | None:
 
 
 def _ensure_ray():
-    from ..runtime import init_ray
+    from clarifier.runtime.cluster import init_ray
 
     return init_ray()
 
@@ -328,7 +328,7 @@ def _write(ds, uri: str, columns: list[str]) -> None:
 
 def _silver_grounding(ray, examples, sg, progress):
     """The MiniLM grounder over the examples (a lazy ``map_batches``; see :func:`_silver_section`)."""
-    from .grounding import SilverGrounder
+    from clarifier.data.grounding import SilverGrounder
 
     progress(f"[data] silver grounding with {sg.encoder or 'all-MiniLM-L6-v2'} ({sg.actors} actor(s))")
     return examples.map_batches(
@@ -346,7 +346,7 @@ def _silver_grounding(ray, examples, sg, progress):
 
 def _silver_section(sg, groups: list[dict], progress) -> dict:
     """The manifest's silver-grounding section from the final counts (duplicates left out)."""
-    from .grounding import summarize_agreement
+    from clarifier.data.grounding import summarize_agreement
 
     rows = [g for g in groups if g["status"] != "duplicate"]
     by_source: dict[str, int] = {}
@@ -376,7 +376,7 @@ def _pack_train(encoded, cfg: ClarifierConfig, pad_id: int, split_counts: dict, 
     """Padding efficiency of the train split always; packed blocks in ``train_packed/`` when enabled."""
     from ray.data.expressions import col
 
-    from .packing import efficiency, pack_table, padding_stats
+    from clarifier.data.packing import efficiency, pack_table, padding_stats
 
     d = cfg.data
     section: dict = {"enabled": d.packing.enabled}
@@ -451,7 +451,7 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
     from ray.data.aggregate import Count, CountDistinct, Min, Sum
     from ray.data.expressions import col
 
-    from ..models import load_tokenizer, resolve_base_model
+    from clarifier.engine.models import load_tokenizer, resolve_base_model
 
     ray = _ensure_ray()
     d = cfg.data
@@ -468,7 +468,7 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
     suffixes = tuple(SUFFIXES[f] for f in d.formats)
     sources = None
     if d.sources:
-        from .sources import materialize_sources
+        from clarifier.data.sources import materialize_sources
 
         sources = materialize_sources(d, progress)
     files = storage.list_files(d.input, suffixes)

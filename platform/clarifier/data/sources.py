@@ -23,9 +23,9 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from .. import storage
-from ..config import DataConfig, SourceConfig
-from ..schema import Example
+from clarifier.runtime import storage
+from clarifier.core.config import DataConfig, SourceConfig
+from clarifier.core.schema import Example
 
 OWNER_FILE = "_sources.json"
 SYNTHETIC = "synthetic"
@@ -75,8 +75,8 @@ def _check_owned(input_uri: str) -> None:
 
 
 def _import_source(src: SourceConfig) -> tuple[list[Example], list[dict]]:
-    from .importers import get_importer, iter_dataset
-    from .importers.base import Skipped
+    from clarifier.data.importers import get_importer, iter_dataset
+    from clarifier.data.importers.base import Skipped
 
     get_importer(src.importer)  # names the available importers when it is unknown
     if not src.src:
@@ -120,7 +120,7 @@ def materialize_sources(d: DataConfig, progress: Callable[[str], None] = print) 
     for src in d.sources:
         name = src.source_name
         if src.importer == SYNTHETIC:
-            from .synthetic import write_logs
+            from clarifier.data.synthetic import write_logs
 
             if src.max_examples is not None:
                 raise ValueError(f"data.sources[{name}]: synthetic sources take options.conversations, not max_examples")

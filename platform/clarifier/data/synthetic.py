@@ -532,7 +532,7 @@ def generate_conversations(n: int, seed: int = 0) -> list[dict]:
 
 def write_logs(out_uri: str, n: int, seed: int = 0, shards: int = 4) -> list[str]:
     """Write ``n`` conversations as JSONL shards under ``out_uri`` (folder or ``s3://`` prefix)."""
-    from ..storage import join, write_text
+    from clarifier.runtime.storage import join, write_text
 
     convs = generate_conversations(n, seed)
     shards = max(1, min(shards, n)) if n else 1

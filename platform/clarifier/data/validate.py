@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..config import DataConfig, LabellingConfig
-from ..schema import ConversationLog, Example, describe_validation_error
-from .labelling import FilteredTurn, label_conversation
+from clarifier.core.config import DataConfig, LabellingConfig
+from clarifier.core.schema import ConversationLog, Example, describe_validation_error
+from clarifier.data.labelling import FilteredTurn, label_conversation
 
 RAW_LIMIT = 2000  # characters of the raw line kept in a quarantine record
 ROLES = ("user", "assistant", "system")

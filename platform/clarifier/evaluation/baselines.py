@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from .metrics import Prediction
+from clarifier.core.metrics import Prediction
 
 SHORT_QUERY_WORDS = 3
 

@@ -21,9 +21,9 @@ import random
 import re
 from typing import Sequence
 
-from ..data.labelling import STOPWORDS, content_words
-from ..schema import Example
-from .metrics import Prediction
+from clarifier.data.labelling import STOPWORDS, content_words
+from clarifier.core.schema import Example
+from clarifier.core.metrics import Prediction
 
 ASKS_CLEAR = "asks what is already clear"
 MISSED = "missed ambiguity"

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import ClarifierConfig
-from ..precision import describe
-from ..schema import Example
+from clarifier.core.config import ClarifierConfig
+from clarifier.engine.precision import describe
+from clarifier.core.schema import Example
 
 
 @dataclass
@@ -39,8 +39,8 @@ def load_eval_data(data: str, split: str = "test", *, max_examples: int | None =
 
     ``max_examples`` keeps the first N (the fingerprint is of what is evaluated).
     """
-    from .. import storage
-    from ..data.pipeline import load_split
+    from clarifier.runtime import storage
+    from clarifier.data.pipeline import load_split
 
     if storage.exists(storage.join(data, "manifest.json")):
         examples, skipped, name = load_split(data, split), [], f"{data}#{split}"
@@ -67,9 +67,9 @@ def read_eval_jsonl(uri: str, report=print) -> tuple[list[Example], list[dict]]:
     import gzip
     import zlib
 
-    from .. import storage
-    from ..data.pipeline import _read_file, _split_lines
-    from ..data.validate import parse_line
+    from clarifier.runtime import storage
+    from clarifier.data.pipeline import _read_file, _split_lines
+    from clarifier.data.validate import parse_line
 
     out: list[Example] = []
     skipped: list[dict] = []
@@ -105,7 +105,7 @@ def similarity_fn_for(cfg: ClarifierConfig, progress):
     """``SentenceEncoder(...).similarity`` for the question metric, or None (disabled / not installed)."""
     if not cfg.eval.semantic_encoder:
         return None, "disabled (eval.semantic_encoder is null)"
-    from ..similarity import EncoderNotAvailable, SentenceEncoder
+    from clarifier.engine.similarity import EncoderNotAvailable, SentenceEncoder
 
     try:
         return SentenceEncoder(cfg.eval.semantic_encoder).similarity, cfg.eval.semantic_encoder
@@ -117,11 +117,11 @@ def similarity_fn_for(cfg: ClarifierConfig, progress):
 def _predict(cfg: ClarifierConfig, spec: dict, examples: list[Example], *, engine=None, mode: str = "predict",
              progress=print, bar=None) -> list:
     """Predictions through the configured engine (``eval.engine``): in process, or Ray Data actors."""
-    from .metrics import Prediction
-    from .ray_engine import ray_predict
+    from clarifier.core.metrics import Prediction
+    from clarifier.evaluation.ray_engine import ray_predict
 
     if cfg.eval.engine == "ray":
-        from ..runtime import init_ray
+        from clarifier.runtime.cluster import init_ray
 
         init_ray()
         e = cfg.eval
@@ -142,11 +142,11 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     Scoring and generation run in this process (``eval.engine=local``) or in a pool of Ray Data
     actors (``eval.engine=ray``); the always-ask, never-ask and lexical baselines are always in it.
     """
-    from ..inference import ClarifierEngine, read_meta
-    from ..registry.registry import resolve_model_uri
-    from .baselines import baseline_predictions
-    from .metrics import evaluate_predictions
-    from .report import format_table, write_report
+    from clarifier.engine.inference import ClarifierEngine, read_meta
+    from clarifier.registry.registry import resolve_model_uri
+    from clarifier.evaluation.baselines import baseline_predictions
+    from clarifier.core.metrics import evaluate_predictions
+    from clarifier.evaluation.report import format_table, write_report
 
     data = data or cfg.data.output
     if not data:
@@ -244,7 +244,7 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
 
 
 def engine_base(folder) -> str:
-    from ..inference import read_meta
+    from clarifier.engine.inference import read_meta
 
     return read_meta(folder).base_model
 

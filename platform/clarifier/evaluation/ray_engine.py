@@ -23,8 +23,8 @@ import math
 from dataclasses import asdict
 from typing import Callable, Sequence
 
-from ..schema import Example
-from .metrics import Prediction
+from clarifier.core.schema import Example
+from clarifier.core.metrics import Prediction
 
 
 class ScorerActor:
@@ -37,9 +37,9 @@ class ScorerActor:
     """
 
     def __init__(self, spec: dict, mode: str = "predict", batch_size: int = 8, cpus: float = 1):
-        from ..inference import ClarifierEngine
-        from ..precision import set_threads
-        from ..prompt import PromptOptions
+        from clarifier.engine.inference import ClarifierEngine
+        from clarifier.engine.precision import set_threads
+        from clarifier.core.prompt import PromptOptions
 
         if mode not in ("predict", "score"):
             raise ValueError(f"ScorerActor mode must be 'predict' or 'score', got {mode!r}")
@@ -51,7 +51,7 @@ class ScorerActor:
                 prompt_opts=PromptOptions(**(spec.get("prompt") or {})),
                 max_new_tokens=int(spec.get("max_new_tokens", 48)), precision=precision, device=device)
         else:
-            from ..registry.registry import resolve_model_uri
+            from clarifier.registry.registry import resolve_model_uri
 
             resolved = resolve_model_uri(spec["model_uri"], cache_dir=spec.get("download_dir"),
                                          tracking_uri=spec.get("tracking_uri"))
@@ -93,14 +93,14 @@ def ray_predict(examples: Sequence[Example], spec: dict, *, mode: str = "predict
                 progress: Callable[[str], None] | None = None) -> list[Prediction]:
     """Predictions for ``examples`` (in their order) from a pool of ``actors`` ``ScorerActor``s.
 
-    Ray must already be initialised (``clarifier.runtime.init_ray``); equal to
+    Ray must already be initialised (``clarifier.runtime.cluster.init_ray``); equal to
     ``ClarifierEngine.predict(examples, batch_size)`` (or ``score_examples`` with ``mode="score"``).
     """
     import pyarrow as pa
     import ray
 
     if not ray.is_initialized():
-        raise RuntimeError("eval.engine=ray needs a running Ray (clarifier.runtime.init_ray()); none is initialised")
+        raise RuntimeError("eval.engine=ray needs a running Ray (clarifier.runtime.cluster.init_ray()); none is initialised")
     if not examples:
         return []
     n = len(examples)

@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from clarifier.evaluation.metrics import calibration_bins, threshold_sweep
+from clarifier.core.metrics import calibration_bins, threshold_sweep
 
 # (header, path into the metrics dict)
 COLUMNS: list[tuple[str, tuple[str, ...]]] = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from ..config import ClarifierConfig, ConfigError, load_config
+from clarifier.core.config import ClarifierConfig, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPES_DIR = ROOT / "jobs" / "recipes"
@@ -42,7 +42,7 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
 
 def data_is_current(cfg: ClarifierConfig) -> bool:
     """True when ``data.output`` holds a finished data job for exactly this ``data`` config and base model."""
-    from ..data.pipeline import read_manifest
+    from clarifier.data.pipeline import read_manifest
 
     try:
         manifest = read_manifest(cfg.data.output)
@@ -55,7 +55,7 @@ def data_is_current(cfg: ClarifierConfig) -> bool:
 
 def prepare_if_needed(cfg: ClarifierConfig, progress: Callable[[str], None] = print, force: bool = False) -> dict:
     """Run the data job for ``cfg`` unless its output is already current; returns the manifest."""
-    from ..data.pipeline import prepare, read_manifest
+    from clarifier.data.pipeline import prepare, read_manifest
 
     if not force and data_is_current(cfg):
         progress(f"[recipe] reusing the data job's output in {cfg.data.output} (same data config and base model)")

@@ -26,8 +26,8 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..config import ClarifierConfig, ConfigError, load_config
-from . import PLANS_DIR, recipe_path
+from clarifier.core.config import ClarifierConfig, ConfigError, load_config
+from clarifier.recipes import PLANS_DIR, recipe_path
 
 Progress = Callable[[str], None]
 
@@ -163,8 +163,8 @@ def _variant_cfg(base: ClarifierConfig, recipe: str, plan: BenchmarkPlan, name: 
 
 
 def _train(cfg: ClarifierConfig, progress: Progress) -> dict:
-    from ..train.trainer import train
-    from . import prepare_if_needed
+    from clarifier.train.trainer import train
+    from clarifier.recipes import prepare_if_needed
 
     prepare_if_needed(cfg, progress)
     t0 = time.time()
@@ -179,7 +179,7 @@ def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progres
     (0.5 GB after full fine-tuning) of what the run logged to MLflow (the row's ``model_uri``)."""
     import shutil
 
-    from ..inference import ClarifierEngine
+    from clarifier.engine.inference import ClarifierEngine
 
     engine = ClarifierEngine.from_folder(model_dir, cache_dir=cfg.model.cache_dir, max_new_tokens=cfg.eval.max_new_tokens,
                                          precision=cfg.model.precision)
@@ -196,10 +196,10 @@ def _predict_zero_shot(base_model: str, examples: list, cfg: ClarifierConfig,
                        progress: Progress) -> tuple[list, float, dict]:
     """The prompted base model's P(clarify) on ``examples``, thresholded like a trained model: the
     threshold is chosen on the recipe's calibration split by the same rule (``eval.max_over_asking``)."""
-    from ..data.pipeline import load_split
-    from ..evaluation.calibrate import choose_threshold
-    from ..evaluation.metrics import Prediction
-    from ..inference import ClarifierEngine
+    from clarifier.data.pipeline import load_split
+    from clarifier.train.calibrate import choose_threshold
+    from clarifier.core.metrics import Prediction
+    from clarifier.engine.inference import ClarifierEngine
 
     engine = ClarifierEngine.from_base(base_model, cache_dir=cfg.model.cache_dir, threshold=0.5,
                                        precision=cfg.model.precision)
@@ -223,7 +223,7 @@ def _predict_zero_shot(base_model: str, examples: list, cfg: ClarifierConfig,
 
 
 def _metrics(examples, preds, sim_fn, source_of, grounding_source) -> dict:
-    from ..evaluation.metrics import evaluate_predictions
+    from clarifier.core.metrics import evaluate_predictions
 
     out = {"all": evaluate_predictions(examples, preds, similarity_fn=sim_fn)}
     for src in sorted({source_of(e) for e in examples}):
@@ -236,7 +236,7 @@ def _metrics(examples, preds, sim_fn, source_of, grounding_source) -> dict:
 def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | Path | None = None,
                   overrides: list[str] | tuple[str, ...] = (), progress: Progress = print) -> dict:
     """Run the plan; writes ``<out>.json`` and ``<out>.md`` (default ``benchmarks/results/recipe-<plan name>``)."""
-    from ..services import mlflow_env, start_mlflow_server
+    from clarifier.runtime.services import mlflow_env, start_mlflow_server
 
     plan = load_plan(plan_name)
     name = f"recipe-{plan_path(plan_name).stem}"
@@ -253,7 +253,7 @@ def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | 
         os.environ["MLFLOW_TRACKING_URI"] = server.url
         progress(f"MLflow: {server.url} (sqlite under {workdir / 'mlflow'})")
     try:
-        from ..runtime import init_ray
+        from clarifier.runtime.cluster import init_ray
 
         init_ray()
         result = _run(plan, name, workdir, clock, progress)
@@ -262,7 +262,7 @@ def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | 
             server.stop()
     result["seconds_total"] = round(time.time() - clock.t0, 1)
     result["stages_seconds"] = clock.stages
-    from .tables import write_outputs
+    from clarifier.recipes.tables import write_outputs
 
     paths = write_outputs(result, out)
     progress(f"\nrecipe benchmark done in {result['seconds_total'] / 60:.1f} min: {paths['json']} and {paths['md']}")
@@ -270,17 +270,17 @@ def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | 
 
 
 def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, progress: Progress) -> dict:
-    from ..data.pipeline import load_split
-    from ..data.sources import source_of
-    from ..evaluation.baselines import baseline_predictions
-    from ..evaluation.error_analysis import analyse
-    from ..evaluation.evaluate import similarity_fn_for
+    from clarifier.data.pipeline import load_split
+    from clarifier.data.sources import source_of
+    from clarifier.evaluation.baselines import baseline_predictions
+    from clarifier.evaluation.error_analysis import analyse
+    from clarifier.evaluation.evaluate import similarity_fn_for
 
     base = load_config(recipe_path(plan.recipe), plan.overrides)
     base.storage.root = str(workdir / "storage")
     base = base.model_copy(update={"data": base.data.model_copy(update={
         "input": str(workdir / "recipe" / "input"), "output": str(workdir / "recipe" / "data")})})
-    from . import prepare_if_needed
+    from clarifier.recipes import prepare_if_needed
 
     with clock.stage("data job: import the sources, Ray Data preprocessing"):
         manifest = prepare_if_needed(base, progress)
@@ -321,7 +321,7 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
             preds, thr, secs = _predict_model(tr.pop("model_dir"), examples, cfg, progress)
             add_row(name, "trained", preds, overrides=extra, threshold=thr, eval_seconds=secs, **tr)
 
-    from ..evaluation.metrics import paired_bootstrap
+    from clarifier.core.metrics import paired_bootstrap
 
     gold = [bool(e.needs_clarification) for e in examples]
     uncertainty = paired_bootstrap(
@@ -341,7 +341,7 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
             tr = _train(cfg, progress)
         with clock.stage(f"leave-one-out: evaluate on {src}"):
             preds, thr, secs = _predict_model(tr.pop("model_dir"), held, cfg, progress)
-        from ..evaluation.metrics import evaluate_predictions
+        from clarifier.core.metrics import evaluate_predictions
 
         idx = [i for i, e in enumerate(examples) if source_of(e) == src]
         loo[src] = {
@@ -361,7 +361,7 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
                                       n_decisions=ea.decisions, n_questions=ea.questions, seed=plan.seed,
                                       similarity_fn=sim_fn, min_similarity=ea.min_similarity)
     import clarifier
-    from ..data.pipeline import git_commit
+    from clarifier.data.pipeline import git_commit
 
     return {
         "benchmark": benchmark,

@@ -9,8 +9,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from ..evaluation.report import fmt_metric as fmt
-from ..evaluation.report import metric_at as _get
+from clarifier.evaluation.report import fmt_metric as fmt
+from clarifier.evaluation.report import metric_at as _get
 
 # (header, path into one row's metrics)
 MAIN_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
@@ -100,7 +100,7 @@ def uncertainty_table(result: dict) -> list[str]:
 
 
 def error_tables(result: dict) -> list[str]:
-    from ..evaluation.error_analysis import DECISION_CATEGORIES, QUESTION_CATEGORIES
+    from clarifier.evaluation.error_analysis import DECISION_CATEGORIES, QUESTION_CATEGORIES
 
     ea = result.get("error_analysis") or {}
     if not ea:

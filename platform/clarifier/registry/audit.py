@@ -21,7 +21,7 @@ import os
 import uuid
 from pathlib import Path
 
-from .. import storage
+from clarifier.runtime import storage
 
 
 class AuditLogError(RuntimeError):

@@ -12,7 +12,7 @@ version behind ``--to``, if any) are compared on the *same* evaluation set:
 * without ``--data``: both versions' logged metrics on a common evaluation set are used (the
   challenger's registration eval set first); no common set is an error that says to pass ``--data``.
 
-The criteria (``registry.gate``, :class:`clarifier.config.GateConfig`) are relative to the champion
+The criteria (``registry.gate``, :class:`clarifier.core.config.GateConfig`) are relative to the champion
 (``max_f1_drop``, ``max_over_asking_increase``; skipped when there is no champion) and absolute
 (``min_f1``, ``max_over_asking``, ``min_validity``). The alias moves only when every criterion
 holds. Either way the decision and its evidence are tagged on the challenger
@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..config import ClarifierConfig, GateConfig
-from .audit import AuditLog, alias_history, current_user, default_location, utc_now
-from .registry import eval_set_tags, key_metrics, logged_eval_sets
+from clarifier.core.config import ClarifierConfig, GateConfig
+from clarifier.registry.audit import AuditLog, alias_history, current_user, default_location, utc_now
+from clarifier.registry.registry import eval_set_tags, key_metrics, logged_eval_sets
 
 TAG_LIMIT = 5000  # characters of JSON evidence kept in a tag (MLflow caps tag values)
 
@@ -182,7 +182,7 @@ def _common_logged_set(challenger_tags: dict, champion_tags: dict | None) -> dic
 
 
 def _evaluate_version(cfg: ClarifierConfig, name: str, version: str, data: str, out_dir: Path, progress) -> dict:
-    from ..evaluation.evaluate import evaluate
+    from clarifier.evaluation.evaluate import evaluate
 
     gate_cfg = cfg.model_copy(deep=True)
     gate_cfg.eval.baselines = [b for b in cfg.eval.baselines if b != "base_model"]
@@ -216,7 +216,7 @@ def promote(cfg: ClarifierConfig, name: str, *, to_alias: str = "champion", from
 
     The challenger is ``version`` or the version behind ``from_alias``. See the module docstring.
     """
-    from .. import storage
+    from clarifier.runtime import storage
 
     storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
     tracking_uri = _tracking_uri(cfg)
@@ -239,7 +239,7 @@ def promote(cfg: ClarifierConfig, name: str, *, to_alias: str = "champion", from
     # ---- metrics of both on one evaluation set ----
     sources = {}
     if data:
-        from ..evaluation.evaluate import load_eval_data
+        from clarifier.evaluation.evaluate import load_eval_data
 
         ed = load_eval_data(data, cfg.eval.split, max_examples=cfg.eval.max_examples, report=progress)
         if not ed.examples:
@@ -330,7 +330,7 @@ def promote(cfg: ClarifierConfig, name: str, *, to_alias: str = "champion", from
 def rollback(cfg: ClarifierConfig, name: str, *, alias: str = "champion", user: str | None = None,
              reason: str | None = None, progress: Callable[[str], None] = print) -> dict:
     """Point ``alias`` back at the version it held before the current one (per the audit log); audited."""
-    from .. import storage
+    from clarifier.runtime import storage
 
     storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
     client = _client(_tracking_uri(cfg))

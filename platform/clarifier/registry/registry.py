@@ -14,8 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..models import ModelResolutionError, default_cache_dir
-from .. import storage
+from clarifier.engine.models import ModelResolutionError, default_cache_dir
+from clarifier.runtime import storage
 
 
 @dataclass(frozen=True)

@@ -58,15 +58,15 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from ..config import ConfigError, ServeConfig
-from ..schema import ClarifyRequest, ClarifyResponse
-from ..runtime import FORWARDED
-from .auth import ENV_VAR as API_KEYS_ENV
-from .auth import HEADER as API_KEY_HEADER
-from .auth import ApiKeyAuth, key_digests, load_api_keys, presented_key
-from .admission import LatencyBudget
-from .lifecycle import ModelLifecycle, mlflow_alias_probe, parse_alias_uri
-from .metrics import IngressMetrics, ModelMetrics
+from clarifier.core.config import ConfigError, ServeConfig
+from clarifier.core.schema import ClarifyRequest, ClarifyResponse
+from clarifier.runtime.cluster import FORWARDED
+from clarifier.serving.auth import ENV_VAR as API_KEYS_ENV
+from clarifier.serving.auth import HEADER as API_KEY_HEADER
+from clarifier.serving.auth import ApiKeyAuth, key_digests, load_api_keys, presented_key
+from clarifier.serving.admission import LatencyBudget
+from clarifier.serving.lifecycle import ModelLifecycle, mlflow_alias_probe, parse_alias_uri
+from clarifier.serving.metrics import IngressMetrics, ModelMetrics
 
 # A child of Serve's logger, so replica logs carry these lines (with replica and request ids).
 log = logging.getLogger("ray.serve.clarifier")
@@ -81,7 +81,7 @@ REPLICA_LOST = (ActorDiedError, ActorUnavailableError)
 
 # Non-secret variables forwarded to replicas when set on the driver (credentials are not: they
 # belong to the cluster's own environment / instance profile; API keys never leave the builder).
-FORWARDED_ENV = FORWARDED  # the one list of non-secret settings, see clarifier.runtime
+FORWARDED_ENV = FORWARDED  # the one list of non-secret settings, see clarifier.runtime.cluster
 
 
 class ServingError(RuntimeError):
@@ -101,9 +101,9 @@ class _Failed:
 def load_engine(uri: str, *, max_new_tokens: int = 48, tracking_uri: Optional[str] = None,
                 cache_dir: Optional[str] = None, use_gpu: bool = False, precision: str = "auto"):
     """Resolve ``uri`` and load a :class:`ClarifierEngine` in ``precision`` (on CUDA when ``use_gpu``)."""
-    from ..inference import ClarifierEngine
-    from ..models import ModelResolutionError
-    from ..registry.registry import resolve_model_uri
+    from clarifier.engine.inference import ClarifierEngine
+    from clarifier.engine.models import ModelResolutionError
+    from clarifier.registry.registry import resolve_model_uri
 
     resolved = resolve_model_uri(uri, cache_dir=cache_dir, tracking_uri=tracking_uri)
     try:
@@ -123,7 +123,7 @@ class ClarifierModel:
                  max_batch_size: int = 8, batch_wait_timeout_s: float = 0.05,
                  cache_dir: Optional[str] = None, model_refresh_s: float = 0.0, use_gpu: bool = False,
                  ray_metrics: bool = True, precision: str = "auto", cpus: float = 1):
-        from ..precision import set_threads
+        from clarifier.engine.precision import set_threads
 
         self.metrics = ModelMetrics(ray=ray_metrics)
         # Exactly the CPUs this replica reserved, so replicas on one node do not oversubscribe it.

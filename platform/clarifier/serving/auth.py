@@ -22,7 +22,7 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ..config import ConfigError
+from clarifier.core.config import ConfigError
 
 ENV_VAR = "CLARIFIER_API_KEYS"
 HEADER = "X-API-Key"

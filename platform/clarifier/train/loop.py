@@ -43,10 +43,10 @@ import sys
 import tempfile
 import time
 
-from ..config import ClarifierConfig
-from ..data.packing import collate_packed
-from ..precision import describe, resolve_precision, set_threads, torch_dtype
-from .objective import SEGMENT_IDS, DecisionLoss, collate, joint_loss
+from clarifier.core.config import ClarifierConfig
+from clarifier.data.packing import collate_packed
+from clarifier.engine.precision import describe, resolve_precision, set_threads, torch_dtype
+from clarifier.core.objective import SEGMENT_IDS, DecisionLoss, collate, joint_loss
 
 COLUMNS = ["input_ids", "labels", "loss_weights", "segment_ids"]
 TRAIN_COLUMNS = ["id", "needs_clarification", *COLUMNS]
@@ -226,7 +226,7 @@ def train_columns(packed: bool) -> list[str]:
 def load_train_table(data_root: str, part: str | None, packed: bool = False):
     """The train split read directly with pyarrow (the benchmarks' plain loop; the Ray Train
     workers receive the same rows through Ray Data, see :func:`shard_to_table`)."""
-    from ..data.pipeline import PACKED_DIR, read_split_table
+    from clarifier.data.pipeline import PACKED_DIR, read_split_table
 
     table = read_split_table(data_root, PACKED_DIR if packed else "train", columns=train_columns(packed))
     return canonical_train_table(table, part, packed)
@@ -302,8 +302,8 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train
     from peft import LoraConfig, get_peft_model
 
-    from ..models import load_causal_lm, load_tokenizer, resolve_base_model
-    from .tracking import SafeTracker, parse_step_ranges
+    from clarifier.engine.models import load_causal_lm, load_tokenizer, resolve_base_model
+    from clarifier.train.tracking import SafeTracker, parse_step_ranges
 
     cfg = ClarifierConfig.model_validate(config["cfg"])
     part = config.get("part")  # pipeline variant: when / how / what; None = joint
@@ -495,7 +495,7 @@ def _report(engine, tok, cfg: ClarifierConfig, step: int, micro: int, rank: int,
     import ray.train
     import torch
 
-    from ..inference import ModelMeta, write_meta
+    from clarifier.engine.inference import ModelMeta, write_meta
 
     tag = f"step{step:08d}"
     # Metrics of the steps up to this checkpoint reach MLflow before it is reported (a crash right

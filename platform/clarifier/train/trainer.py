@@ -11,12 +11,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import storage
-from ..config import ClarifierConfig, TrainConfig, flatten
-from ..inference import META_FILE, read_meta
-from .loop import (DS_DIR, PIPELINE_PARTS, RANK_DIR, STATE_FILE, resolve_decision_loss, train_columns,
-                   train_loop_per_worker)
-from .objective import DecisionLoss
+from clarifier.runtime import storage
+from clarifier.core.config import ClarifierConfig, TrainConfig, flatten
+from clarifier.engine.inference import META_FILE, read_meta
+from clarifier.train.loop import DS_DIR, PIPELINE_PARTS, RANK_DIR, STATE_FILE, resolve_decision_loss, train_columns, train_loop_per_worker
+from clarifier.core.objective import DecisionLoss
 
 RUN_NAME_TAG = "clarifier.run_name"
 PIPELINE_FILE = "pipeline.json"
@@ -68,8 +67,8 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
     import mlflow
     import ray
 
-    from ..data.pipeline import read_manifest
-    from ..models import resolve_base_model
+    from clarifier.data.pipeline import read_manifest
+    from clarifier.engine.models import resolve_base_model
 
     data_root = cfg.data.output
     if not data_root or not storage.exists(storage.join(data_root, "manifest.json")):
@@ -258,7 +257,7 @@ def train_dataset(cfg: ClarifierConfig):
     reads the same blocks again."""
     import ray.data
 
-    from ..data.pipeline import PACKED_DIR
+    from clarifier.data.pipeline import PACKED_DIR
 
     packed = cfg.data.packing.enabled
     fs, path = storage.filesystem(storage.join(cfg.data.output, PACKED_DIR if packed else "train"))
@@ -307,8 +306,8 @@ def _copy_model(result, out: Path) -> int:
 
 def _calibrate(cfg: ClarifierConfig, folder: Path, progress) -> dict | None:
     """Pick the decision threshold on the calibration split (if it has both classes)."""
-    from ..data.pipeline import load_split
-    from ..evaluation.calibrate import calibrate_model
+    from clarifier.data.pipeline import load_split
+    from clarifier.train.calibrate import calibrate_model
 
     split = cfg.eval.calibration_split
     if not split:

@@ -29,9 +29,9 @@ from typing import Any, Iterator, Mapping
 
 from pydantic import BaseModel
 
-from ...schema import Example
-from . import abgcoqa, clariq, claqua, pacific
-from .base import Importer, ImporterOptions, ImportResult, Skipped, summarize
+from clarifier.core.schema import Example
+from clarifier.data.importers import abgcoqa, clariq, claqua, pacific
+from clarifier.data.importers.base import Importer, ImporterOptions, ImportResult, Skipped, summarize
 
 ENTRY_POINT_GROUP = "clarifier.importers"
 

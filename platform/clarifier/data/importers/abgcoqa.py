@@ -32,8 +32,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from ...schema import Example, Passage, Turn
-from .base import Importer, ImporterOptions, Skipped, load_json, make_example, one_line, split_files
+from clarifier.core.schema import Example, Passage, Turn
+from clarifier.data.importers.base import Importer, ImporterOptions, Skipped, load_json, make_example, one_line, split_files
 
 DATASET = "abgcoqa"
 SPLIT_FILES = {"train": "coqa_abg_train.json", "val": "coqa_abg_val.json", "test": "coqa_abg_test.json"}

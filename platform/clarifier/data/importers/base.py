@@ -1,6 +1,6 @@
 """The importer interface shared by the built-in and third-party dataset importers.
 
-An importer turns a published dataset folder into evaluation-set :class:`~clarifier.schema.Example`
+An importer turns a published dataset folder into evaluation-set :class:`~clarifier.core.schema.Example`
 records. It is an :class:`Importer`: a name, a pydantic ``options`` model (strict: an unknown or
 ill-typed option is an error naming it) and a ``run(src, options)`` generator that yields, in
 source order, one :class:`Example` or one :class:`Skipped` per *record* it read (what a record is
@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from ...schema import Example, describe_validation_error
+from clarifier.core.schema import Example, describe_validation_error
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,8 @@ import json
 from pathlib import Path
 from typing import Iterator, Literal
 
-from ...schema import Example, Passage, Turn
-from .base import Importer, ImporterOptions, Skipped, make_example, one_line, require_dir, short_hash
+from clarifier.core.schema import Example, Passage, Turn
+from clarifier.data.importers.base import Importer, ImporterOptions, Skipped, make_example, one_line, require_dir, short_hash
 
 DATASET = "claqua"
 VARIANTS = ("single-turn", "multi-turn")

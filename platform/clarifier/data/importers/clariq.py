@@ -40,8 +40,8 @@ import csv
 from pathlib import Path
 from typing import Iterator, Literal
 
-from ...schema import Example
-from .base import Importer, ImporterOptions, Skipped, make_example, one_line, require_dir
+from clarifier.core.schema import Example
+from clarifier.data.importers.base import Importer, ImporterOptions, Skipped, make_example, one_line, require_dir
 
 DATASET = "clariq"
 COLUMNS = ["topic_id", "initial_request", "topic_desc", "clarification_need", "facet_id", "facet_desc",

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ... import storage
-from . import get_importer
-from .base import Skipped, label_key, summarize
+from clarifier.runtime import storage
+from clarifier.data.importers import get_importer
+from clarifier.data.importers.base import Skipped, label_key, summarize
 
 REPORT_SUFFIX = "import-report.json"
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from ...schema import Example, Passage, Turn
-from .base import Importer, ImporterOptions, Skipped, load_json, make_example, one_line, split_files
+from clarifier.core.schema import Example, Passage, Turn
+from clarifier.data.importers.base import Importer, ImporterOptions, Skipped, load_json, make_example, one_line, split_files
 
 DATASET = "pacific"
 SPLIT_FILES = {"train": "train.json", "validation": "validation.json", "test": "test.json"}

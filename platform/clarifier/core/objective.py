@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..prompt import PromptOptions, render_prompts
-from ..target import SEGMENTS, render_segments, target_from_example
+from clarifier.core.prompt import PromptOptions, render_prompts
+from clarifier.core.target import SEGMENTS, render_segments, target_from_example
 
 IGNORE = -100
 SEGMENT_IDS = {name: i + 1 for i, name in enumerate(SEGMENTS)}  # 0 = prompt / padding

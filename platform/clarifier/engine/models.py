@@ -181,7 +181,7 @@ def convert_gguf(folder: Path, gguf_file: str, out: Path) -> Path:
 
 
 def _resolve_s3(uri: str, cache: Path) -> Path:
-    from .storage import download_prefix
+    from clarifier.runtime.storage import download_prefix
 
     out = cache / f"s3-{_key(uri)}"
     if _is_model_folder(out):

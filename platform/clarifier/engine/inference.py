@@ -9,7 +9,7 @@ The grounding line is constrained to the request's turns and passages (``groundi
 Malformed generations fall back to "no clarification" with ``valid_output=False`` -- never an
 exception.
 
-Precision: engines load in the resolved ``precision`` (``clarifier.precision``: ``auto`` = bf16 on
+Precision: engines load in the resolved ``precision`` (``clarifier.engine.precision``: ``auto`` = bf16 on
 a device that computes it natively, else fp32); a LoRA adapter is merged into the float32 base
 before the merged model is cast, so the weights are rounded once.
 
@@ -28,12 +28,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .grounding_constraint import GroundingConstraint
-from .models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
-from .precision import resolve_precision, torch_dtype
-from .prompt import PromptOptions, render_prompt
-from .schema import ClarifyRequest, ClarifyResponse, Grounding
-from .target import ANSWER, CLARIFY, DECISION_PREFIX, try_parse_target
+from clarifier.engine.grounding_constraint import GroundingConstraint
+from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
+from clarifier.engine.precision import resolve_precision, torch_dtype
+from clarifier.core.prompt import PromptOptions, render_prompt
+from clarifier.core.schema import ClarifyRequest, ClarifyResponse, Grounding
+from clarifier.core.target import ANSWER, CLARIFY, DECISION_PREFIX, try_parse_target
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class ClarifierEngine:
         fine-tuned weights, in ``precision`` (``auto`` / ``bf16`` / ``fp32``, resolved for ``device``)."""
         folder = Path(folder)
         if cls is ClarifierEngine and (folder / "pipeline.json").is_file():  # train.variant=pipeline
-            from .pipeline_engine import PipelineEngine
+            from clarifier.engine.pipeline import PipelineEngine
 
             return PipelineEngine.from_folder(folder, version=version, cache_dir=cache_dir, threshold=threshold,
                                               max_new_tokens=max_new_tokens, precision=precision, device=device)
@@ -334,7 +334,7 @@ class ClarifierEngine:
 
     def predict(self, examples, batch_size: int = 8, threshold: float | None = None, progress=None):
         """Evaluation predictions (``evaluation.metrics.Prediction``) for Examples, in order."""
-        from .evaluation.metrics import Prediction
+        from clarifier.core.metrics import Prediction
 
         preds = []
         for start in range(0, len(examples), batch_size):

@@ -14,7 +14,7 @@ Conventions used throughout:
   grounding metrics over zero rows -- are ``None``.
 * ``rougeL_f`` is on a 0-1 scale; ``bleu`` and ``chrf`` keep sacrebleu's 0-100 scale;
   ``semantic_similarity`` is a mean cosine similarity (-1..1) from a caller-supplied sentence
-  encoder (``clarifier.similarity.SentenceEncoder().similarity``), None when none is given.
+  encoder (``clarifier.engine.similarity.SentenceEncoder().similarity``), None when none is given.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
-    from clarifier.schema import Example
+    from clarifier.core.schema import Example
 
 SimilarityFn = Callable[[list, list], Sequence[float]]
 

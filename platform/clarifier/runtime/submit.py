@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import storage
-from .config import ClarifierConfig, dump_config
-from .runtime import FORWARDED
+from clarifier.runtime import storage
+from clarifier.core.config import ClarifierConfig, dump_config
+from clarifier.runtime.cluster import FORWARDED
 
 JOB_CONFIG = "clarifier-job.yaml"
-FORWARDED_ENV = FORWARDED  # non-secret settings only (see clarifier.runtime)
+FORWARDED_ENV = FORWARDED  # non-secret settings only (see clarifier.runtime.cluster)
 _SECRET_WORDS = ("SECRET", "PASSWORD", "TOKEN", "ACCESS_KEY", "CREDENTIAL")
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
@@ -63,7 +63,7 @@ def dashboard_url(address: str) -> str:
 
 def forwarded_env(environ: dict | None = None) -> dict[str, str]:
     """The env vars a submitted job gets from here: the non-secret settings only."""
-    from .services import mlflow_env
+    from clarifier.runtime.services import mlflow_env
 
     environ = os.environ if environ is None else environ
     env = dict(mlflow_env())
@@ -117,7 +117,7 @@ def submit_stage(address: str, stage: list[str], cfg: ClarifierConfig, extra_arg
         env = forwarded_env()
         runtime_env: dict = {"working_dir": str(staging), "env_vars": env}
         if ship_code:
-            runtime_env["py_modules"] = [str(Path(__file__).resolve().parent)]
+            runtime_env["py_modules"] = [str(Path(__file__).resolve().parents[1])]  # the clarifier package
             runtime_env["excludes"] = ["__pycache__", "*.pyc"]
         entry = ["python", "-m", "clarifier.cli", *stage, "-c", JOB_CONFIG, *(extra_args or [])]
         entrypoint = " ".join(_quote(a) for a in entry)
