@@ -327,7 +327,7 @@ def main(argv: list[str]) -> None:
 
     logging.getLogger("clarifier.engine.inference").setLevel(logging.ERROR)  # the tiny model's garbage is expected
     from clarifier.core.config import ServeConfig
-    from clarifier.registry.registry import resolve_model_uri
+    from clarifier.engine.loading import resolve_model
     from clarifier.serving.app import run_local
     from clarifier.runtime.services import free_port
 
@@ -345,7 +345,7 @@ def main(argv: list[str]) -> None:
         folder = tiny_model(work)
         model_label = "tiny test model (tests/tinymodel.py) + LoRA"
     else:
-        resolved = resolve_model_uri(a.model, tracking_uri=a.tracking_uri)
+        resolved = resolve_model(a.model, tracking_uri=a.tracking_uri)
         folder, model_label = Path(resolved.folder), f"{a.model} ({resolved.version})"
 
     import torch

@@ -137,7 +137,7 @@ def test_pipeline_variant_trains_three_adapters_that_compose(prepared, mlflow_se
 
     from clarifier.core.config import build_config
     from clarifier.data.pipeline import load_split, read_manifest
-    from clarifier.engine.inference import ClarifierEngine
+    from clarifier.engine.loading import load_engine
     from clarifier.engine.pipeline import PipelineEngine
     from clarifier.train.trainer import train
 
@@ -163,7 +163,7 @@ def test_pipeline_variant_trains_three_adapters_that_compose(prepared, mlflow_se
     for c in children:  # each part logged its own steps; only its segments carry loss
         assert [m.step for m in client.get_metric_history(c.info.run_id, "train/loss")] == [1, 2]
 
-    engine = ClarifierEngine.from_folder(folder, max_new_tokens=12)
+    engine = load_engine(folder, max_new_tokens=12)
     assert isinstance(engine, PipelineEngine)
     examples = load_split(cfg.data.output, "dev")[:4]
     preds = engine.predict(examples, batch_size=4, threshold=0.0)  # threshold 0: every example is decoded
@@ -183,7 +183,8 @@ def test_full_finetune_under_zero3_writes_whole_model_that_loads_and_registers(p
     from clarifier.core.config import build_config
     from clarifier.data.pipeline import load_split
     from clarifier.engine.inference import ClarifierEngine, read_meta
-    from clarifier.registry.registry import register_adapter, resolve_model_uri
+    from clarifier.engine.loading import resolve_model
+    from clarifier.registry.registry import register_adapter
     from clarifier.train.trainer import train
 
     cfg = build_config({}, [*prepared, "train.experiment=full-ft", "model.finetune=full", "train.zero_stage=3",
@@ -217,7 +218,7 @@ def test_full_finetune_under_zero3_writes_whole_model_that_loads_and_registers(p
     assert len(preds) == 4 and all(0.0 <= p.confidence <= 1.0 for p in preds)
 
     mv = register_adapter(res.run_id, "full-ft", alias="candidate")
-    resolved = resolve_model_uri("models:/full-ft@candidate", cache_dir=tmp_path / "cache")
+    resolved = resolve_model("models:/full-ft@candidate", cache_dir=tmp_path / "cache")
     again = ClarifierEngine.from_folder(resolved.folder, max_new_tokens=12)
     assert again.score([(e.history, e.query, e.passages) for e in examples]) == pytest.approx(
         engine.score([(e.history, e.query, e.passages) for e in examples]), abs=1e-5)

@@ -153,14 +153,10 @@ class ClarifierEngine:
     def from_folder(cls, folder: str | Path, *, version: str = "local", cache_dir=None,
                     threshold: float | None = None, max_new_tokens: int = 48, precision: str = "auto",
                     device: str = "cpu") -> "ClarifierEngine":
-        """Load a Clarifier model folder: base model + LoRA adapter (merged for speed), or the fully
-        fine-tuned weights, in ``precision`` (``auto`` / ``bf16`` / ``fp32``, resolved for ``device``)."""
+        """Load a joint Clarifier model folder: base model + LoRA adapter (merged for speed), or the fully
+        fine-tuned weights, in ``precision`` (``auto`` / ``bf16`` / ``fp32``, resolved for ``device``).
+        Any model URI, pipeline folders included: :func:`clarifier.engine.loading.load_engine`."""
         folder = Path(folder)
-        if cls is ClarifierEngine and (folder / "pipeline.json").is_file():  # train.variant=pipeline
-            from clarifier.engine.pipeline import PipelineEngine
-
-            return PipelineEngine.from_folder(folder, version=version, cache_dir=cache_dir, threshold=threshold,
-                                              max_new_tokens=max_new_tokens, precision=precision, device=device)
         refuse_pickles(folder)
         meta = read_meta(folder)
         model = load_weights(folder, meta, cache_dir, torch_dtype(resolve_precision(precision, device)))

@@ -143,7 +143,7 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     actors (``eval.engine=ray``); the always-ask, never-ask and lexical baselines are always in it.
     """
     from clarifier.engine.inference import ClarifierEngine, read_meta
-    from clarifier.registry.registry import resolve_model_uri
+    from clarifier.engine.loading import load_engine, resolve_model
     from clarifier.evaluation.baselines import baseline_predictions
     from clarifier.core.metrics import evaluate_predictions
     from clarifier.evaluation.report import format_table, write_report
@@ -168,14 +168,14 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
         return _p
 
     tracking_uri = cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    resolved = resolve_model_uri(model_uri, tracking_uri=tracking_uri)
+    resolved = resolve_model(model_uri, tracking_uri=tracking_uri)
     meta = read_meta(resolved.folder)
     spec = {"model_uri": model_uri, "tracking_uri": tracking_uri, "cache_dir": cfg.model.cache_dir,
             "max_new_tokens": cfg.eval.max_new_tokens, "precision": cfg.model.precision}
     engine = None
     if cfg.eval.engine == "local":
-        engine = ClarifierEngine.from_folder(resolved.folder, version=resolved.version, cache_dir=cfg.model.cache_dir,
-                                             max_new_tokens=cfg.eval.max_new_tokens, precision=cfg.model.precision)
+        engine = load_engine(resolved.folder, version=resolved.version, cache_dir=cfg.model.cache_dir,
+                             max_new_tokens=cfg.eval.max_new_tokens, precision=cfg.model.precision)
     precision = describe(cfg.model.precision, "cuda" if cfg.eval.ray_gpus_per_actor else "cpu")
     progress(f"[eval] inference precision {precision}")
     sim_fn, sim_info = similarity_fn_for(cfg, progress)
@@ -193,12 +193,11 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     for name, uri in cfg.eval.compare.items():  # e.g. the pipeline variant, beside the joint model
         if name in ("model", "always_ask", "never_ask", "lexical", "base_model"):
             raise ValueError(f"eval.compare name {name!r} is taken by a built-in row; pick another")
-        other = resolve_model_uri(uri, tracking_uri=tracking_uri)
+        other = resolve_model(uri, tracking_uri=tracking_uri)
         other_engine = None
         if cfg.eval.engine == "local":
-            other_engine = ClarifierEngine.from_folder(other.folder, version=other.version,
-                                                       cache_dir=cfg.model.cache_dir, max_new_tokens=cfg.eval.max_new_tokens,
-                                                       precision=cfg.model.precision)
+            other_engine = load_engine(other.folder, version=other.version, cache_dir=cfg.model.cache_dir,
+                                       max_new_tokens=cfg.eval.max_new_tokens, precision=cfg.model.precision)
         op = _predict(cfg, {**spec, "model_uri": uri}, examples, engine=other_engine, progress=progress, bar=bar(name))
         del other_engine
         models[name] = {"metrics": evaluate_predictions(examples, op, similarity_fn=sim_fn),

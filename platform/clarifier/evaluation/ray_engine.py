@@ -51,13 +51,12 @@ class ScorerActor:
                 prompt_opts=PromptOptions(**(spec.get("prompt") or {})),
                 max_new_tokens=int(spec.get("max_new_tokens", 48)), precision=precision, device=device)
         else:
-            from clarifier.registry.registry import resolve_model_uri
+            from clarifier.engine.loading import load_engine
 
-            resolved = resolve_model_uri(spec["model_uri"], cache_dir=spec.get("download_dir"),
-                                         tracking_uri=spec.get("tracking_uri"))
-            self.engine = ClarifierEngine.from_folder(
-                resolved.folder, version=resolved.version, cache_dir=spec.get("cache_dir"),
-                max_new_tokens=int(spec.get("max_new_tokens", 48)), precision=precision, device=device)
+            self.engine = load_engine(
+                spec["model_uri"], download_dir=spec.get("download_dir"), tracking_uri=spec.get("tracking_uri"),
+                cache_dir=spec.get("cache_dir"), max_new_tokens=int(spec.get("max_new_tokens", 48)),
+                precision=precision, device=device)
         self.mode = mode
         self.batch_size = batch_size
 

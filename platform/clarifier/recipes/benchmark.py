@@ -179,10 +179,10 @@ def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progres
     (0.5 GB after full fine-tuning) of what the run logged to MLflow (the row's ``model_uri``)."""
     import shutil
 
-    from clarifier.engine.inference import ClarifierEngine
+    from clarifier.engine.loading import load_engine
 
-    engine = ClarifierEngine.from_folder(model_dir, cache_dir=cfg.model.cache_dir, max_new_tokens=cfg.eval.max_new_tokens,
-                                         precision=cfg.model.precision)
+    engine = load_engine(model_dir, cache_dir=cfg.model.cache_dir, max_new_tokens=cfg.eval.max_new_tokens,
+                         precision=cfg.model.precision)
     t0 = time.time()
     preds = engine.predict(examples, batch_size=cfg.eval.batch_size,
                            progress=lambda d, n: progress(f"[eval] {d}/{n}") if d == n or d % 64 == 0 else None)

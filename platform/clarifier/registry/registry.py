@@ -1,4 +1,4 @@
-"""MLflow model registry: register trained adapters, move aliases, resolve model URIs to folders.
+"""MLflow model registry: register trained adapters, move aliases, resolve ``models:/`` and ``runs:/`` URIs to folders.
 
 Aliases are the only promotion mechanism (MLflow stages are deprecated). A registered version's
 ``source`` is the run's ``adapter`` artifact folder (MLflow 3 only registers ``runs:/`` paths of
@@ -8,20 +8,11 @@ logged models, so the version is created from the artifact URI directly).
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
-from clarifier.engine.models import ModelResolutionError, default_cache_dir
-from clarifier.runtime import storage
-
-
-@dataclass(frozen=True)
-class ResolvedModel:
-    folder: Path
-    version: str  # "name/3" for registry models, else the URI
+from clarifier.engine.loading import ResolvedModel, download_once
+from clarifier.engine.models import ModelResolutionError
 
 
 def _client(tracking_uri: str | None = None):
@@ -177,8 +168,11 @@ def _parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
     raise ModelResolutionError(f"{uri}: expected models:/<name>@<alias> or models:/<name>/<version>")
 
 
-def resolve_model_uri(uri: str, cache_dir: str | Path | None = None, tracking_uri: str | None = None) -> ResolvedModel:
-    """Download (once) the model folder behind a ``models:/``, ``runs:/``, ``s3://`` URI or a folder."""
+def resolve_registry_uri(uri: str, cache_dir: str | Path | None = None, tracking_uri: str | None = None) -> ResolvedModel:
+    """The model folder behind ``models:/name@alias``, ``models:/name/3`` or ``runs:/<id>/<path>``,
+    downloaded once into ``cache_dir``. Registered for those schemes as entry points (pyproject.toml,
+    group ``clarifier.model_uri_schemes``); call :func:`clarifier.engine.loading.resolve_model`, which
+    also takes folders and ``s3://``."""
     import mlflow
 
     if uri.startswith("models:/"):
@@ -190,44 +184,12 @@ def resolve_model_uri(uri: str, cache_dir: str | Path | None = None, tracking_ur
             raise ModelResolutionError(f"{uri}: no such registered model version ({exc})") from None
         label = f"{name}/{mv.version}"
         key = f"{mv.name}-v{mv.version}-{hashlib.sha256(mv.source.encode()).hexdigest()[:8]}"
-        folder = _download_once(key, cache_dir, lambda dst: mlflow.artifacts.download_artifacts(
+        folder = download_once(key, cache_dir, lambda dst: mlflow.artifacts.download_artifacts(
             artifact_uri=mv.source, dst_path=dst, tracking_uri=tracking_uri))
         return ResolvedModel(folder, label)
     if uri.startswith("runs:/"):
         key = "run-" + hashlib.sha256(uri.encode()).hexdigest()[:16]
-        folder = _download_once(key, cache_dir, lambda dst: mlflow.artifacts.download_artifacts(
+        folder = download_once(key, cache_dir, lambda dst: mlflow.artifacts.download_artifacts(
             artifact_uri=uri, dst_path=dst, tracking_uri=tracking_uri))
         return ResolvedModel(folder, uri)
-    if storage.is_s3(uri):
-        key = "s3-" + hashlib.sha256(uri.encode()).hexdigest()[:16]
-        folder = _download_once(key, cache_dir, lambda dst: storage.download_prefix(uri, dst) and dst)
-        return ResolvedModel(folder, uri)
-    p = Path(uri).expanduser()
-    if not p.is_dir():
-        raise ModelResolutionError(f"model {uri} is not a folder, models:/, runs:/ or s3:// URI")
-    return ResolvedModel(p, str(p))
-
-
-def _download_once(key: str, cache_dir, fetch) -> Path:
-    root = Path(cache_dir) if cache_dir else default_cache_dir().parent / "registry"
-    out = root / key
-    if (out / "clarifier.json").is_file():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=key + ".", dir=root))
-    try:
-        got = fetch(str(tmp))
-        got = Path(got) if got else tmp
-        # download_artifacts returns the folder it wrote; its contents are the model folder.
-        if not (got / "clarifier.json").is_file():
-            inner = [d for d in got.iterdir() if d.is_dir() and (d / "clarifier.json").is_file()]
-            if len(inner) == 1:
-                got = inner[0]
-            else:
-                raise ModelResolutionError(f"downloaded model for {key} has no clarifier.json")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(got, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    raise ModelResolutionError(f"{uri}: the registry resolves models:/ and runs:/ URIs only")

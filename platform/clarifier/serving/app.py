@@ -98,17 +98,16 @@ class _Failed:
         self.message = message
 
 
-def load_engine(uri: str, *, max_new_tokens: int = 48, tracking_uri: Optional[str] = None,
-                cache_dir: Optional[str] = None, use_gpu: bool = False, precision: str = "auto"):
-    """Resolve ``uri`` and load a :class:`ClarifierEngine` in ``precision`` (on CUDA when ``use_gpu``)."""
-    from clarifier.engine.inference import ClarifierEngine
+def replica_engine(uri: str, *, max_new_tokens: int = 48, tracking_uri: Optional[str] = None,
+                   cache_dir: Optional[str] = None, use_gpu: bool = False, precision: str = "auto"):
+    """The replica's engine for ``uri`` in ``precision`` (on CUDA when ``use_gpu``); ``cache_dir``
+    caches downloaded model folders."""
+    from clarifier.engine.loading import load_engine
     from clarifier.engine.models import ModelResolutionError
-    from clarifier.registry.registry import resolve_model_uri
 
-    resolved = resolve_model_uri(uri, cache_dir=cache_dir, tracking_uri=tracking_uri)
     try:
-        return ClarifierEngine.from_folder(resolved.folder, version=resolved.version, max_new_tokens=max_new_tokens,
-                                           precision=precision, device="cuda" if use_gpu else "cpu")
+        return load_engine(uri, download_dir=cache_dir, tracking_uri=tracking_uri, max_new_tokens=max_new_tokens,
+                           precision=precision, device="cuda" if use_gpu else "cpu")
     except ModelResolutionError as exc:
         if use_gpu and "CUDA" in str(exc):
             raise ServingError("gpus_per_replica > 0 but CUDA is not available in the model replica") from exc
@@ -128,7 +127,7 @@ class ClarifierModel:
         self.metrics = ModelMetrics(ray=ray_metrics)
         # Exactly the CPUs this replica reserved, so replicas on one node do not oversubscribe it.
         threads = set_threads(cpus)
-        load = functools.partial(load_engine, max_new_tokens=max_new_tokens, tracking_uri=tracking_uri,
+        load = functools.partial(replica_engine, max_new_tokens=max_new_tokens, tracking_uri=tracking_uri,
                                  cache_dir=cache_dir, use_gpu=use_gpu, precision=precision)
         alias = parse_alias_uri(model_uri)
         probe = mlflow_alias_probe(alias[0], alias[1], tracking_uri) if alias and model_refresh_s > 0 else None

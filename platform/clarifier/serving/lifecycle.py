@@ -40,7 +40,7 @@ def parse_alias_uri(uri: str) -> Optional[tuple[str, str]]:
 
 
 def pinned_uri(version_label: str) -> str:
-    """``name/3`` (the label ``resolve_model_uri`` gives registry versions) -> ``models:/name/3``."""
+    """``name/3`` (the label ``resolve_model`` gives registry versions) -> ``models:/name/3``."""
     return f"models:/{version_label}"
 
 

@@ -38,9 +38,10 @@ def calibrate_model(folder: str | Path, examples, *, max_over_asking: float | No
     load it), choose a threshold, store it; returns a summary."""
     from dataclasses import replace
 
-    from clarifier.engine.inference import ClarifierEngine, read_meta, write_meta
+    from clarifier.engine.inference import read_meta, write_meta
+    from clarifier.engine.loading import load_engine
 
-    engine = ClarifierEngine.from_folder(folder, cache_dir=cache_dir, precision=precision)
+    engine = load_engine(folder, cache_dir=cache_dir, precision=precision)
     scores = engine.score_examples(examples, batch_size)
     gold = [e.needs_clarification for e in examples]
     thr, rule = choose_threshold(gold, scores, max_over_asking)
