@@ -114,7 +114,7 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
 def example_requests(cfg: ClarifierConfig, n: int = N_EXAMPLE_REQUESTS) -> list[tuple[dict, bool]]:
     """``(request body, gold decision)`` pairs from the held-out test split: the first n/2 turns
     that need clarification and the first n/2 that do not (chosen by label, not by prediction)."""
-    from clarifier.data.pipeline import load_split
+    from clarifier.data.outputs import load_split
 
     test = load_split(cfg.data.output, cfg.eval.split)
     picked = [e for e in test if e.needs_clarification][: n // 2] + [e for e in test if not e.needs_clarification][: n - n // 2]

@@ -10,7 +10,8 @@ import pyarrow.dataset as pads
 import pytest
 
 from clarifier.core.config import build_config
-from clarifier.data.pipeline import FILTERED_COLUMNS, QUARANTINE_COLUMNS, SPLIT_COLUMNS, load_split, prepare, read_manifest
+from clarifier.data.pipeline import prepare
+from clarifier.data.outputs import FILTERED_COLUMNS, QUARANTINE_COLUMNS, SPLIT_COLUMNS, load_split, read_manifest
 from clarifier.data.split import assign_split
 from clarifier.data.synthetic import generate_conversations, write_logs
 from clarifier.core.schema import ConversationLog

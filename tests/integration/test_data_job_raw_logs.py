@@ -13,7 +13,8 @@ import pytest
 
 from clarifier.core.config import build_config
 from clarifier.data.labelling import label_conversation
-from clarifier.data.pipeline import FILTERED_COLUMNS, load_split, prepare
+from clarifier.data.pipeline import prepare
+from clarifier.data.outputs import FILTERED_COLUMNS, load_split
 from clarifier.data.synthetic import generate_conversations
 from clarifier.core.schema import ConversationLog
 

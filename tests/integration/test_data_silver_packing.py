@@ -9,7 +9,8 @@ import pyarrow.dataset as pads
 import pytest
 
 from clarifier.core.config import build_config
-from clarifier.data.pipeline import PACKED_DIR, load_split, prepare
+from clarifier.data.pipeline import prepare
+from clarifier.data.outputs import PACKED_DIR, load_split
 from clarifier.data.synthetic import generate_conversations
 from clarifier.core.schema import ConversationLog
 

@@ -15,7 +15,8 @@ import pytest
 
 from clarifier.runtime import storage
 from clarifier.core.config import build_config
-from clarifier.data.pipeline import DataJobError, prepare, read_manifest
+from clarifier.data.pipeline import DataJobError, prepare
+from clarifier.data.outputs import read_manifest
 from clarifier.data.synthetic import write_logs
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]

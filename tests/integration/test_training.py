@@ -2,7 +2,7 @@
 
 Exact resume:
 
-(a) a worker killed mid-run (``train.fail_at_step``: os._exit) is restarted by FailureConfig from the
+(a) a worker killed mid-run (``support.faults.ExitOnceAt``: os._exit) is restarted by FailureConfig from the
     last checkpoint and ends with the same per-step losses as an uninterrupted run, in one MLflow
     run without duplicated steps;
 (b) a ZeRO-3 checkpoint written by 2 workers is restored by 2 workers when the driver is rerun with
@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.faults import ExitOnceAt
 
 pytestmark = [pytest.mark.integration]
 
@@ -60,7 +61,7 @@ def test_killed_worker_resumes_exactly(prepared, mlflow_server, reliability):
     client = MlflowClient()
     ref = train(build_config({}, [*prepared, *EXACT, "train.experiment=resume-a", "train.run_name=ref"]), progress=print)
     faulty = train(build_config({}, [*prepared, *EXACT, "train.experiment=resume-a", "train.run_name=faulty",
-                                     "train.fail_at_step=3", "train.max_failures=1"]), progress=print)
+                                     "train.max_failures=1"]), progress=print, callbacks=[ExitOnceAt(3)])
     assert ref.steps == faulty.steps == 6 and ref.precision == faulty.precision == "fp32"
 
     # One MLflow run for the faulty training, resumed once at step 2, no duplicated steps.
@@ -91,7 +92,7 @@ def test_killed_worker_resumes_exactly(prepared, mlflow_server, reliability):
     killed = ts[3] if ts[3] < resumed_at else ts[2]
     assert faulty.tracking["lost_steps"] == 0
     reliability(fault="training worker killed", injected="last of 2 workers `os._exit`s after step 3 of 6 "
-                "(train.fail_at_step); checkpoints every 2 steps", at_risk="1 step trained since the last checkpoint",
+                "(a worker callback); checkpoints every 2 steps", at_risk="1 step trained since the last checkpoint",
                 lost="0 steps (same per-step losses, LRs and adapter as an uninterrupted run)",
                 recovered="1 step recomputed from the step-2 checkpoint; 6/6 steps in one MLflow run",
                 time_to_recover_s=round(ts[4] - killed, 1))
@@ -105,10 +106,10 @@ def test_zero3_checkpoint_restored_by_two_workers_on_rerun(prepared, mlflow_serv
     from clarifier.train.trainer import train
 
     overrides = [*prepared, "train.experiment=resume-b", "train.run_name=z3", "train.zero_stage=3",
-                 "train.max_steps=4", "train.fail_at_step=3", "train.max_failures=0"]
+                 "train.max_steps=4", "train.max_failures=0"]
     cfg = build_config({}, overrides)
     with pytest.raises(Exception):
-        train(cfg, progress=print)  # the worker exits at step 3; no retries allowed: the driver fails
+        train(cfg, progress=print, callbacks=[ExitOnceAt(3)])  # exits at step 3; no retries allowed: the driver fails
     store = Path(cfg.storage.root) / "ray_results" / "train-z3"
     ckpts = sorted(store.glob("checkpoint_step*"))
     assert [c.name for c in ckpts] == ["checkpoint_step00000002"]
@@ -118,7 +119,7 @@ def test_zero3_checkpoint_restored_by_two_workers_on_rerun(prepared, mlflow_serv
     state = json.loads((ckpts[0] / "train_state.json").read_text())
     assert state["step"] == 2 and state["world_size"] == 2 and state["zero_stage"] == 3
 
-    again = train(cfg, progress=print)  # same run name: resumes from step 2 (fail_at_step only fires on a fresh start)
+    again = train(cfg, progress=print, callbacks=[ExitOnceAt(3)])  # same run name: resumes from step 2 (the fault only fires on a fresh start)
     assert again.steps == 4 and again.run_id == state["mlflow_run_id"]
     client = MlflowClient()
     assert [s for s, _ in _history(client, again.run_id)] == [1, 2, 3, 4]
@@ -136,7 +137,7 @@ def test_pipeline_variant_trains_three_adapters_that_compose(prepared, mlflow_se
     from mlflow import MlflowClient
 
     from clarifier.core.config import build_config
-    from clarifier.data.pipeline import load_split, read_manifest
+    from clarifier.data.outputs import load_split, read_manifest
     from clarifier.engine.loading import load_engine
     from clarifier.engine.pipeline import PipelineEngine
     from clarifier.train.trainer import train
@@ -181,7 +182,7 @@ def test_full_finetune_under_zero3_writes_whole_model_that_loads_and_registers(p
     from safetensors.torch import load_file
 
     from clarifier.core.config import build_config
-    from clarifier.data.pipeline import load_split
+    from clarifier.data.outputs import load_split
     from clarifier.engine.inference import ClarifierEngine, read_meta
     from clarifier.engine.loading import resolve_model
     from clarifier.registry.registry import register_adapter

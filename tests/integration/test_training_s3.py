@@ -31,16 +31,17 @@ def test_checkpoints_go_to_s3_and_a_killed_worker_resumes_from_there(ray_with_s3
     from clarifier.data.pipeline import prepare
     from clarifier.data.synthetic import write_logs
     from clarifier.train.trainer import train
+    from support.faults import ExitOnceAt
 
     write_logs(str(tmp_path / "logs"), 30, seed=5, shards=1)
     cfg = build_config({}, [
         f"storage.root=s3://{s3_bucket}/store", f"data.input={tmp_path / 'logs'}", f"data.output=s3://{s3_bucket}/data",
         "data.formats=[jsonl]", f"model.base_model={tiny_model_dir}", "model.lora.r=4",
         "model.lora.target_modules=[q_proj,v_proj]", "train.num_workers=2", "train.micro_batch_size=2",
-        "train.max_steps=4", "train.checkpoint_every=2", "train.fail_at_step=3", "train.max_failures=1",
+        "train.max_steps=4", "train.checkpoint_every=2", "train.max_failures=1",
         "train.run_name=s3run", "train.experiment=resume-s3", "eval.calibration_split=null"])
     prepare(cfg, progress=lambda m: None)
-    res = train(cfg, progress=print)
+    res = train(cfg, progress=print, callbacks=[ExitOnceAt(3)])
     assert res.steps == 4
     client = MlflowClient()
     assert [m.step for m in client.get_metric_history(res.run_id, "train/loss")] == [1, 2, 3, 4]

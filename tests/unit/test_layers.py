@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "platform" / "clarifier"
 LAYERS = ["core", "runtime", "engine", "data", "train", "evaluation", "registry", "serving", "recipes"]

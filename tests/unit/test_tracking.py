@@ -186,7 +186,7 @@ def test_real_client_turns_off_mlflows_own_retries(monkeypatch):
 def test_local_tracking_stores_are_made_absolute_for_the_workers(tmp_path):
     """Ray Train workers run in their own working directories: a relative sqlite/file store would be
     a different, empty store there (the default ``sqlite:///mlflow.db`` included)."""
-    from clarifier.train.trainer import absolute_tracking_uri
+    from clarifier.runtime.mlflow_uri import absolute_tracking_uri
 
     assert absolute_tracking_uri("sqlite:///mlflow.db", tmp_path) == f"sqlite:///{tmp_path}/mlflow.db"
     assert absolute_tracking_uri("sqlite:////abs/m.db", tmp_path) == "sqlite:////abs/m.db"

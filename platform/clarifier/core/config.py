@@ -211,7 +211,6 @@ class TrainConfig(_Strict):
     checkpoint_every: int = Field(0, ge=0, description="Steps between checkpoints; 0 = only at the end.")
     keep_checkpoints: int | None = Field(2, ge=1, description="Newest checkpoints kept in storage; null = all.")
     max_failures: int = Field(1, ge=-1, description="Worker-group failures to recover from (resume from the last checkpoint); -1 = unlimited.")
-    fail_at_step: int | None = Field(None, ge=1, description="Testing only: the last rank exits (os._exit) at this step, once -- in an attempt that restored no checkpoint.")
     seed: int = 0
     loss_weights: LossWeights = LossWeights()
     decision_loss: DecisionLossConfig = DecisionLossConfig()

@@ -56,20 +56,12 @@ from clarifier.core.config import ClarifierConfig, LabellingConfig
 from clarifier.core.schema import Example
 from clarifier.data.grounding import AGREE_COLUMNS, GROUNDING_COLUMNS
 from clarifier.data.split import assign_split
-from clarifier.data.validate import check_object, parse_line_full, quarantine_record
+from clarifier.data.outputs import (FILTERED_COLUMNS, FILTERED_DIR, MANIFEST, PACKED_DIR, QUARANTINE_COLUMNS,
+                                    QUARANTINE_DIR, SPLIT_COLUMNS)
+from clarifier.data.validate import check_object, parse_line_full, quarantine_record, read_file, split_lines
 
 SUFFIXES = {"jsonl": ".jsonl", "jsonl.gz": ".jsonl.gz", "parquet": ".parquet"}
 LABELLING_REASON_PREFIX = "labelling:"  # filtered_by_reason keys of user turns the labelling rules dropped
-QUARANTINE_DIR = "quarantine"
-FILTERED_DIR = "filtered"
-PACKED_DIR = "train_packed"
-MANIFEST = "manifest.json"
-SPLIT_COLUMNS = [
-    "id", "conversation_id", "split", "example_json", "needs_clarification",
-    "input_ids", "labels", "loss_weights", "segment_ids", "num_tokens",
-]
-QUARANTINE_COLUMNS = ["source", "line", "reason", "raw"]
-FILTERED_COLUMNS = ["source", "line", "reason", "raw", "id", "conversation_id", "split"]
 
 # One row per file ("file": line counts), per quarantined line, or per example.
 PARSED_SCHEMA = pa.schema([
@@ -131,20 +123,6 @@ def _file_row(source: str, rows: list[dict], n_lines: int, n_blank: int) -> dict
             "n_examples": kinds.count("example"), "n_quarantined": kinds.count("quarantine"),
             "n_filtered": kinds.count("filtered"),
             "n_lines_with_examples": len({r["line"] for r in rows if r["kind"] == "example"})}
-
-
-def _split_lines(data: bytes) -> list[bytes]:
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    return lines
-
-
-def _read_file(filesystem, path: str) -> bytes:
-    # compression=None: the raw bytes (pyarrow would otherwise guess from the suffix); .gz is
-    # decompressed by the caller so that a corrupt file is quarantined instead of failing the job.
-    with filesystem.open_input_stream(path, compression=None) as f:
-        return f.readall()
 
 
 def _record_rows(examples: list[Example], filtered, source: str, line_no: int, seed: int, fractions: dict) -> list[dict]:
@@ -212,7 +190,7 @@ def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fraction
             rows.extend(_parquet_rows(filesystem, path, source, seed, fractions, max_turn_chars, rules))
             continue
         n_lines = n_blank = 0
-        data = _read_file(filesystem, path)
+        data = read_file(filesystem, path)
         mine: list[dict] = []
         if path.endswith(".gz"):
             try:
@@ -222,7 +200,7 @@ def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fraction
                 mine.append({"kind": "quarantine", **q})
                 rows.extend([*mine, _file_row(source, mine, 1, 0)])
                 continue
-        for line_no, raw in enumerate(_split_lines(data), start=1):
+        for line_no, raw in enumerate(split_lines(data), start=1):
             if not raw.strip():
                 n_blank += 1
                 continue
@@ -655,32 +633,3 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
     if not all(invariants.values()):
         progress(f"[data] WARNING: count invariant broken: {invariants}")
     return manifest
-
-
-# ---- readers --------------------------------------------------------------------------------
-
-
-def read_manifest(output_uri: str) -> dict:
-    """The manifest of a finished data job (``FileNotFoundError`` when the job never finished)."""
-    uri = storage.join(output_uri, MANIFEST)
-    if not storage.exists(uri):
-        raise FileNotFoundError(f"no {MANIFEST} under {output_uri}: the data job has not finished there")
-    return json.loads(storage.read_text(uri))
-
-
-def read_split_table(output_uri: str, split: str, columns: list[str] | None = None) -> pa.Table:
-    """A split's Parquet as one Arrow table (empty table when the split has no examples)."""
-    import pyarrow.dataset as pads
-
-    fs, path = storage.filesystem(storage.join(output_uri, split))
-    if fs.get_file_info(path).type.name == "NotFound":
-        return pa.table({c: [] for c in (columns or SPLIT_COLUMNS)})
-    return pads.dataset(path, filesystem=fs, format="parquet").to_table(columns=columns)
-
-
-def load_split(output_uri: str, split: str) -> list[Example]:
-    """The Examples of one split (sorted by id), as written by :func:`prepare`."""
-    read_manifest(output_uri)  # refuse a half-written output
-    table = read_split_table(output_uri, split, ["id", "example_json"])
-    pairs = sorted(zip(table.column("id").to_pylist(), table.column("example_json").to_pylist()))
-    return [Example.model_validate_json(js) for _, js in pairs]

@@ -175,3 +175,17 @@ def check_object(
     if reason is not None:
         return [], quarantine_record(source, line_no, reason, raw), []
     return examples, None, filtered
+
+
+def split_lines(data: bytes) -> list[bytes]:
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return lines
+
+
+def read_file(filesystem, path: str) -> bytes:
+    # compression=None: the raw bytes (pyarrow would otherwise guess from the suffix); .gz is
+    # decompressed by the caller so that a corrupt file is quarantined instead of failing the job.
+    with filesystem.open_input_stream(path, compression=None) as f:
+        return f.readall()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ def load_eval_data(data: str, split: str = "test", *, max_examples: int | None =
     ``max_examples`` keeps the first N (the fingerprint is of what is evaluated).
     """
     from clarifier.runtime import storage
-    from clarifier.data.pipeline import load_split
+    from clarifier.data.outputs import load_split
 
     if storage.exists(storage.join(data, "manifest.json")):
         examples, skipped, name = load_split(data, split), [], f"{data}#{split}"
@@ -68,14 +67,14 @@ def read_eval_jsonl(uri: str, report=print) -> tuple[list[Example], list[dict]]:
     import zlib
 
     from clarifier.runtime import storage
-    from clarifier.data.pipeline import _read_file, _split_lines
+    from clarifier.data.validate import read_file, split_lines
     from clarifier.data.validate import parse_line
 
     out: list[Example] = []
     skipped: list[dict] = []
     for f in storage.list_files(uri, (".jsonl", ".jsonl.gz", ".json")) or storage.list_files(uri):
         fs, path = storage.filesystem(f)
-        raw = _read_file(fs, path)
+        raw = read_file(fs, path)
         if f.endswith(".gz"):
             try:
                 raw = gzip.decompress(raw)
@@ -83,7 +82,7 @@ def read_eval_jsonl(uri: str, report=print) -> tuple[list[Example], list[dict]]:
                 skipped.append({"source": f, "line": 0, "reason": f"cannot decompress gzip file: {exc}"})
                 report(f"[eval] skipped {f}: cannot decompress gzip file: {exc}")
                 continue
-        for i, line in enumerate(_split_lines(raw), start=1):
+        for i, line in enumerate(split_lines(raw), start=1):
             if not line.strip():
                 continue
             exs, q = parse_line(line, f, i)
@@ -94,11 +93,6 @@ def read_eval_jsonl(uri: str, report=print) -> tuple[list[Example], list[dict]]:
     if skipped:
         report(f"[eval] {len(skipped)} malformed lines skipped, {len(out)} examples kept")
     return out, skipped
-
-
-def load_eval_jsonl(uri: str, report=print) -> list[Example]:
-    """Read an evaluation-set JSONL file; malformed lines are reported with their number and skipped."""
-    return read_eval_jsonl(uri, report=report)[0]
 
 
 def similarity_fn_for(cfg: ClarifierConfig, progress):
@@ -144,6 +138,7 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     """
     from clarifier.engine.inference import ClarifierEngine, read_meta
     from clarifier.engine.loading import load_engine, resolve_model
+    from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
     from clarifier.evaluation.baselines import baseline_predictions
     from clarifier.core.metrics import evaluate_predictions
     from clarifier.evaluation.report import format_table, write_report
@@ -167,7 +162,7 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
                 progress(f"[eval] {name}: {done}/{total}")
         return _p
 
-    tracking_uri = cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     resolved = resolve_model(model_uri, tracking_uri=tracking_uri)
     meta = read_meta(resolved.folder)
     spec = {"model_uri": model_uri, "tracking_uri": tracking_uri, "cache_dir": cfg.model.cache_dir,
@@ -240,12 +235,6 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
         _log_to_mlflow(run_id, report, out, tracking_uri)
     report["paths"] = {k: str(v) for k, v in paths.items()}
     return report
-
-
-def engine_base(folder) -> str:
-    from clarifier.engine.inference import read_meta
-
-    return read_meta(folder).base_model
 
 
 def _flat_metrics(prefix: str, d: dict) -> dict[str, float]:

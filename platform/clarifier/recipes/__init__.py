@@ -42,7 +42,7 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
 
 def data_is_current(cfg: ClarifierConfig) -> bool:
     """True when ``data.output`` holds a finished data job for exactly this ``data`` config and base model."""
-    from clarifier.data.pipeline import read_manifest
+    from clarifier.data.outputs import read_manifest
 
     try:
         manifest = read_manifest(cfg.data.output)
@@ -55,7 +55,8 @@ def data_is_current(cfg: ClarifierConfig) -> bool:
 
 def prepare_if_needed(cfg: ClarifierConfig, progress: Callable[[str], None] = print, force: bool = False) -> dict:
     """Run the data job for ``cfg`` unless its output is already current; returns the manifest."""
-    from clarifier.data.pipeline import prepare, read_manifest
+    from clarifier.data.pipeline import prepare
+    from clarifier.data.outputs import read_manifest
 
     if not force and data_is_current(cfg):
         progress(f"[recipe] reusing the data job's output in {cfg.data.output} (same data config and base model)")

@@ -196,7 +196,7 @@ def _predict_zero_shot(base_model: str, examples: list, cfg: ClarifierConfig,
                        progress: Progress) -> tuple[list, float, dict]:
     """The prompted base model's P(clarify) on ``examples``, thresholded like a trained model: the
     threshold is chosen on the recipe's calibration split by the same rule (``eval.max_over_asking``)."""
-    from clarifier.data.pipeline import load_split
+    from clarifier.data.outputs import load_split
     from clarifier.train.calibrate import choose_threshold
     from clarifier.core.metrics import Prediction
     from clarifier.engine.inference import ClarifierEngine
@@ -270,7 +270,7 @@ def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | 
 
 
 def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, progress: Progress) -> dict:
-    from clarifier.data.pipeline import load_split
+    from clarifier.data.outputs import load_split
     from clarifier.data.sources import source_of
     from clarifier.evaluation.baselines import baseline_predictions
     from clarifier.evaluation.error_analysis import analyse

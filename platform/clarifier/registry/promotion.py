@@ -36,6 +36,7 @@ from typing import Callable
 from clarifier.core.config import ClarifierConfig, GateConfig
 from clarifier.registry.audit import AuditLog, alias_history, current_user, default_location, utc_now
 from clarifier.registry.registry import eval_set_tags, key_metrics, logged_eval_sets
+from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
 
 TAG_LIMIT = 5000  # characters of JSON evidence kept in a tag (MLflow caps tag values)
 
@@ -137,12 +138,6 @@ def _client(tracking_uri: str | None):
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def _tracking_uri(cfg: ClarifierConfig) -> str | None:
-    import os
-
-    return cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-
-
 def audit_log_for(cfg: ClarifierConfig) -> AuditLog:
     return AuditLog(cfg.registry.audit_log or default_location(cfg.storage.root))
 
@@ -219,7 +214,7 @@ def promote(cfg: ClarifierConfig, name: str, *, to_alias: str = "champion", from
     from clarifier.runtime import storage
 
     storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
-    tracking_uri = _tracking_uri(cfg)
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     client = _client(tracking_uri)
     if not (from_alias or version):
         raise PromotionError("say which version to promote: --from ALIAS or --version N")
@@ -333,7 +328,7 @@ def rollback(cfg: ClarifierConfig, name: str, *, alias: str = "champion", user: 
     from clarifier.runtime import storage
 
     storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
-    client = _client(_tracking_uri(cfg))
+    client = _client(resolve_tracking_uri(cfg.tracking.tracking_uri))
     log = audit_log_for(cfg)
     history = alias_history(log.records(model=name, alias=alias))
     current = _version_by_alias(client, name, alias)

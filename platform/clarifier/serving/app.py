@@ -61,6 +61,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from clarifier.core.config import ConfigError, ServeConfig
 from clarifier.core.schema import ClarifyRequest, ClarifyResponse
 from clarifier.runtime.cluster import FORWARDED
+from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
 from clarifier.serving.auth import ENV_VAR as API_KEYS_ENV
 from clarifier.serving.auth import HEADER as API_KEY_HEADER
 from clarifier.serving.auth import ApiKeyAuth, key_digests, load_api_keys, presented_key
@@ -198,10 +199,6 @@ class ClarifierModel:
 
     def version(self) -> str:
         return self.lifecycle.version
-
-    async def poll_model(self) -> bool:
-        """Check the alias now (instead of waiting for the next poll); True when it switched."""
-        return await asyncio.to_thread(self.lifecycle.poll_once)
 
 
 # ---- HTTP ingress ----------------------------------------------------------------------------
@@ -528,7 +525,7 @@ def build_app(cfg: ServeConfig, tracking_uri: Optional[str] = None) -> serve.App
 
     API keys are read here ($CLARIFIER_API_KEYS, ``cfg.api_keys_file``); a missing or empty key
     file is a ConfigError."""
-    tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    tracking_uri = resolve_tracking_uri(tracking_uri)
     if cfg.autoscaling.enabled and "num_replicas" in cfg.model_fields_set and cfg.num_replicas != 1:
         log.warning("serve.autoscaling.enabled: serve.num_replicas=%d is ignored (replicas %d..%d)",
                     cfg.num_replicas, cfg.autoscaling.min_replicas, cfg.autoscaling.max_replicas)

@@ -226,7 +226,7 @@ def train_columns(packed: bool) -> list[str]:
 def load_train_table(data_root: str, part: str | None, packed: bool = False):
     """The train split read directly with pyarrow (the benchmarks' plain loop; the Ray Train
     workers receive the same rows through Ray Data, see :func:`shard_to_table`)."""
-    from clarifier.data.pipeline import PACKED_DIR, read_split_table
+    from clarifier.data.outputs import PACKED_DIR, read_split_table
 
     table = read_split_table(data_root, PACKED_DIR if packed else "train", columns=train_columns(packed))
     return canonical_train_table(table, part, packed)
@@ -294,174 +294,247 @@ def optimizer_checksum(engine) -> float:
 # ---- the loop ------------------------------------------------------------------------------
 
 
-def train_loop_per_worker(config: dict) -> None:
-    import deepspeed
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    import ray.train
-    from peft import LoraConfig, get_peft_model
+class WorkerRecipe:
+    """One Ray Train worker's training, read top to bottom (torchtune's recipe shape):
+    :meth:`setup` (model, DeepSpeed engine, data), :meth:`restore` (the last checkpoint, verified),
+    :meth:`setup_tracking`, then :meth:`train`, which repeats :meth:`step` and
+    :meth:`save_checkpoint`. ``callbacks`` are objects with ``on_step_end(recipe, step)`` called on
+    every worker after each optimizer step (and its checkpoint); tests inject faults with them
+    (``tests/support/faults.py``), never through the product config."""
 
-    from clarifier.engine.models import load_causal_lm, load_tokenizer, resolve_base_model
-    from clarifier.train.tracking import SafeTracker, parse_step_ranges
+    def __init__(self, config: dict, callbacks=()):
+        import ray.train
 
-    cfg = ClarifierConfig.model_validate(config["cfg"])
-    part = config.get("part")  # pipeline variant: when / how / what; None = joint
-    t = cfg.train
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.manual_seed(t.seed + rank)
-    random.seed(t.seed + rank)
-    np.random.seed(t.seed + rank)
-    threads = set_threads(t.cpus_per_worker)
-    device_kind = "cuda" if t.use_gpu else "cpu"
-    precision = resolve_precision(cfg.model.precision, device_kind)
+        self.config = config
+        self.cfg = ClarifierConfig.model_validate(config["cfg"])
+        self.part = config.get("part")  # pipeline variant: when / how / what; None = joint
+        self.callbacks = list(callbacks)
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device_kind = "cuda" if self.cfg.train.use_gpu else "cpu"
+        self.precision = resolve_precision(self.cfg.model.precision, self.device_kind)
+        self.step, self.micro, self.resumed = 0, 0, False
+        self.lost_before: set[int] = set()  # steps whose metrics earlier attempts could not log
 
-    base_path = resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
-    tok = load_tokenizer(base_path)
-    # bf16: frozen weights load in bf16; LoRA weights are created in fp32 and DeepSpeed's bf16 mode
-    # computes in bf16 while it keeps the fp32 master weights and optimizer state (the loss is fp32).
-    # On CPU in bf16 the eager attention trains faster than torch's SDPA kernel, whose bf16 backward
-    # is slower than its fp32 one (measured on SmolLM2-135M, 2 x 177 tokens: 225 vs 198 tokens/s).
-    attn = "eager" if precision == "bf16" and device_kind == "cpu" else None
-    model = load_causal_lm(base_path, dtype=torch_dtype(precision), attn_implementation=attn)
-    if t.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    lcfg = cfg.model.lora
-    full = cfg.model.finetune == "full"
-    if not full:
-        model = get_peft_model(model, LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
-                                                 target_modules=lcfg.target_modules, task_type="CAUSAL_LM"))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=deepspeed_config(cfg, t.max_steps, precision),
-    )
-    device = engine.device
-    # The train split arrives through Ray Data (read on the cluster by the driver's dataset, not
-    # split: every worker gets all rows and takes its share of one global order, see above).
-    table = canonical_train_table(shard_to_table(ray.train.get_dataset_shard("train")), part,
-                                  packed=cfg.data.packing.enabled)
-    n_rows = table.num_rows
-    per_epoch = micro_batches_per_epoch(n_rows, world, t.micro_batch_size)
-    if per_epoch < 1:
-        raise RuntimeError(f"worker {rank}: the train split{f' (part {part})' if part else ''} has {n_rows} "
-                           f"examples, fewer than train.num_workers x train.micro_batch_size = "
-                           f"{world * t.micro_batch_size}")
-    scale = segment_scale(part)
-    dloss = DecisionLoss(**config["decision_loss"]) if config.get("decision_loss") else DecisionLoss()
+    # ---- set-up ------------------------------------------------------------------------------
 
-    # ---- restore ---------------------------------------------------------------------------
-    step, micro = 0, 0
-    resumed = False
-    lost_before: set[int] = set()  # steps whose metrics earlier attempts could not log
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
+    def setup(self) -> None:
+        import numpy as np
+        import torch
+
+        t = self.cfg.train
+        torch.manual_seed(t.seed + self.rank)
+        random.seed(t.seed + self.rank)
+        np.random.seed(t.seed + self.rank)
+        self.threads = set_threads(t.cpus_per_worker)
+        model = self._setup_model()
+        self._setup_engine(model)
+        self._setup_data()
+
+    def _setup_model(self):
+        from peft import LoraConfig, get_peft_model
+
+        from clarifier.engine.models import load_causal_lm, load_tokenizer, resolve_base_model
+
+        cfg = self.cfg
+        base_path = resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
+        self.tok = load_tokenizer(base_path)
+        # bf16: frozen weights load in bf16; LoRA weights are created in fp32 and DeepSpeed's bf16 mode
+        # computes in bf16 while it keeps the fp32 master weights and optimizer state (the loss is fp32).
+        # On CPU in bf16 the eager attention trains faster than torch's SDPA kernel, whose bf16 backward
+        # is slower than its fp32 one (measured on SmolLM2-135M, 2 x 177 tokens: 225 vs 198 tokens/s).
+        attn = "eager" if self.precision == "bf16" and self.device_kind == "cpu" else None
+        model = load_causal_lm(base_path, dtype=torch_dtype(self.precision), attn_implementation=attn)
+        if cfg.train.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        self.full = cfg.model.finetune == "full"
+        if not self.full:
+            lc = cfg.model.lora
+            model = get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                                     target_modules=lc.target_modules, task_type="CAUSAL_LM"))
+        self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.total = sum(p.numel() for p in model.parameters())
+        return model
+
+    def _setup_engine(self, model) -> None:
+        import deepspeed
+
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=deepspeed_config(self.cfg, self.cfg.train.max_steps, self.precision),
+        )
+
+    def _setup_data(self) -> None:
+        import ray.train
+
+        t = self.cfg.train
+        # The train split arrives through Ray Data (read on the cluster by the driver's dataset, not
+        # split: every worker gets all rows and takes its share of one global order, see above).
+        self.table = canonical_train_table(shard_to_table(ray.train.get_dataset_shard("train")), self.part,
+                                           packed=self.cfg.data.packing.enabled)
+        self.n_rows = self.table.num_rows
+        self.per_epoch = micro_batches_per_epoch(self.n_rows, self.world, t.micro_batch_size)
+        if self.per_epoch < 1:
+            raise RuntimeError(f"worker {self.rank}: the train split{f' (part {self.part})' if self.part else ''} "
+                               f"has {self.n_rows} examples, fewer than train.num_workers x train.micro_batch_size = "
+                               f"{self.world * t.micro_batch_size}")
+        self.scale = segment_scale(self.part)
+        dl = self.config.get("decision_loss")
+        self.dloss = DecisionLoss(**dl) if dl else DecisionLoss()
+
+    # ---- restore -----------------------------------------------------------------------------
+
+    def restore(self) -> bool:
+        """Continue from ``ray.train.get_checkpoint()`` if there is one: DeepSpeed state, this rank's
+        RNG streams and the data position; the optimizer state is verified against its checksum."""
+        import ray.train
+        import torch
+
+        from clarifier.train.tracking import parse_step_ranges
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return False
         with ckpt.as_directory() as d:
             state = json.loads(open(os.path.join(d, STATE_FILE)).read())
-            if int(state["world_size"]) != world:
+            if int(state["world_size"]) != self.world:
                 raise RuntimeError(
-                    f"checkpoint was written by {state['world_size']} workers, this run has {world}: "
+                    f"checkpoint was written by {state['world_size']} workers, this run has {self.world}: "
                     "resume with the same train.num_workers (the data order and ZeRO shards depend on it)")
-            if state.get("precision", precision) != precision:
+            if state.get("precision", self.precision) != self.precision:
                 raise RuntimeError(
                     f"checkpoint was trained in {state['precision']}, this run resolves model.precision="
-                    f"{cfg.model.precision!r} to {precision}: resume with model.precision={state['precision']}")
-            load_path, _ = engine.load_checkpoint(os.path.join(d, DS_DIR), tag=state["tag"], load_module_strict=False,
-                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+                    f"{self.cfg.model.precision!r} to {self.precision}: resume with model.precision={state['precision']}")
+            load_path, _ = self.engine.load_checkpoint(os.path.join(d, DS_DIR), tag=state["tag"],
+                                                       load_module_strict=False, load_optimizer_states=True,
+                                                       load_lr_scheduler_states=True)
             if load_path is None:
                 raise RuntimeError(f"DeepSpeed found no checkpoint {state['tag']!r} under {d}/{DS_DIR}")
-            rs = torch.load(os.path.join(d, RANK_DIR, f"rank{rank}.pt"), weights_only=True)
-        got = optimizer_checksum(engine)
+            rs = torch.load(os.path.join(d, RANK_DIR, f"rank{self.rank}.pt"), weights_only=True)
+        got = optimizer_checksum(self.engine)
         if abs(got - rs["optimizer_checksum"]) > 1e-6 * max(1.0, abs(rs["optimizer_checksum"])):
-            raise RuntimeError(f"worker {rank}: optimizer state not restored from step {state['step']} "
+            raise RuntimeError(f"worker {self.rank}: optimizer state not restored from step {state['step']} "
                                f"(checksum {got} != saved {rs['optimizer_checksum']})")
         set_rng_state(rs["rng"])
-        step, micro = int(state["step"]), int(state["micro_batches"])
-        lost_before = parse_step_ranges(state.get("tracking_lost_steps"))
-        resumed = True
+        self.step, self.micro = int(state["step"]), int(state["micro_batches"])
+        self.lost_before = parse_step_ranges(state.get("tracking_lost_steps"))
+        self.resumed = True
+        if self.rank == 0:
+            _say(f"[train] resumed from step {self.step} ({self.micro} micro-batches consumed); optimizer state verified")
+        return True
+
+    def setup_tracking(self) -> None:
+        """Rank 0 logs to MLflow through the buffer of :mod:`clarifier.train.tracking`, skipping
+        steps the run already has."""
+        from clarifier.train.tracking import SafeTracker
+
+        tc, rank = self.cfg.tracking, self.rank
+        self.tracker = SafeTracker(self.config.get("mlflow_run_id") if rank == 0 else None,
+                                   self.config.get("tracking_uri"), max_buffered=tc.buffer_max_values,
+                                   request_timeout_s=tc.request_timeout_s,
+                                   lost_steps=self.lost_before if rank == 0 else ())
+        known = self.tracker.last_step("train/loss") if rank == 0 else None
+        self.logged_upto = known or 0
+        if rank == 0 and self.resumed and known is not None and known < self.step:
+            # The previous attempt computed these steps but its buffered metrics died with it (or the
+            # server was down): the run lacks them and this attempt does not recompute them.
+            self.tracker.note_lost_steps(range(known + 1, self.step + 1))
         if rank == 0:
-            _say(f"[train] resumed from step {step} ({micro} micro-batches consumed); optimizer state verified")
+            t, lc = self.cfg.train, self.cfg.model.lora
+            _say(f"[train] {self.world} workers, ZeRO-{t.zero_stage}, "
+                 f"{'full fine-tuning' if self.full else f'LoRA r={lc.r}'}"
+                 f"{f', pipeline part {self.part!r}' if self.part else ''}: {self.trainable:,} trainable of "
+                 f"{self.total:,} parameters; {self.n_rows} rows, {self.per_epoch} micro-batches per epoch; precision "
+                 f"{describe(self.cfg.model.precision, self.device_kind)}, {self.threads} torch thread(s) per worker")
+            if self.resumed:
+                self.tracker.log_metrics({"train/resumed_at_step": self.step}, self.step)
 
-    tc = cfg.tracking
-    tracker = SafeTracker(config.get("mlflow_run_id") if rank == 0 else None, config.get("tracking_uri"),
-                          max_buffered=tc.buffer_max_values, request_timeout_s=tc.request_timeout_s,
-                          lost_steps=lost_before if rank == 0 else ())
-    known = tracker.last_step("train/loss") if rank == 0 else None
-    logged_upto = known or 0
-    if rank == 0 and resumed and known is not None and known < step:
-        # The previous attempt computed these steps but its buffered metrics died with it (or the
-        # server was down): the run lacks them and this attempt does not recompute them.
-        tracker.note_lost_steps(range(known + 1, step + 1))
-    if rank == 0:
-        _say(f"[train] {world} workers, ZeRO-{t.zero_stage}, {'full fine-tuning' if full else f'LoRA r={lcfg.r}'}"
-             f"{f', pipeline part {part!r}' if part else ''}: {trainable:,} trainable of {total:,} parameters; "
-             f"{n_rows} rows, {per_epoch} micro-batches per epoch; precision "
-             f"{describe(cfg.model.precision, device_kind)}, {threads} torch thread(s) per worker")
-        if resumed:
-            tracker.log_metrics({"train/resumed_at_step": step}, step)
+    # ---- the loop ----------------------------------------------------------------------------
 
-    if step >= t.max_steps:  # the restored checkpoint is already the final one (fit() returns it)
-        if rank == 0:
-            _say(f"[train] checkpoint at step {step} is final; nothing left to train")
-        tracker.close(tc.flush_timeout_s)
-        return
+    def step_once(self) -> tuple[list[float], dict, int]:
+        """Micro-batches up to the next optimizer step: (their losses, the last loss parts, tokens)."""
+        t = self.cfg.train
+        losses, tokens = [], 0
+        while True:
+            idx = batch_indices(self.n_rows, t.seed, self.world, self.rank, t.micro_batch_size, self.micro)
+            b = make_batch(self.table, idx, self.tok.pad_token_id, self.engine.device, self.scale)
+            loss, parts = forward_loss(self.engine, b, self.dloss)
+            self.engine.backward(loss)
+            self.engine.step()
+            self.micro += 1
+            tokens += int(b["n_tokens"])
+            losses.append(float(loss.detach()))
+            if self.micro % t.gradient_accumulation_steps == 0:
+                self.step += 1
+                return losses, parts, tokens
 
-    tokens_since = 0
-    t_start = time.time()
-    t_last = t_start
-    steps_at_start = step
-    losses: list[float] = []
-    while True:
-        idx = batch_indices(n_rows, t.seed, world, rank, t.micro_batch_size, micro)
-        b = make_batch(table, idx, tok.pad_token_id, device, scale)
-        loss, parts = forward_loss(engine, b, dloss)
-        engine.backward(loss)
-        engine.step()
-        micro += 1
-        tokens_since += int(b["n_tokens"])
-        losses.append(float(loss.detach()))
-        if micro % t.gradient_accumulation_steps:
-            continue
-        step += 1
-        # Agree on stopping (time budget) so every rank leaves at the same step.
+    def should_stop(self, t_start: float) -> bool:
+        """Every rank agrees (all-reduce) to stop at the same step: max_steps or the time budget."""
+        import torch
+        import torch.distributed as dist
+
+        t = self.cfg.train
         over = t.max_minutes is not None and (time.time() - t_start) > t.max_minutes * 60
-        flag = torch.tensor([1.0 if (over or step >= t.max_steps) else 0.0])
+        flag = torch.tensor([1.0 if (over or self.step >= t.max_steps) else 0.0])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        stop = bool(flag.item() > 0)
-        now = time.time()
-        if rank == 0:
-            lr = scheduler.get_last_lr()[0] if scheduler is not None else t.learning_rate
-            m = {"train/loss": float(np.mean(losses)), "train/lr": lr,
-                 "train/tokens_per_s": tokens_since * world / max(now - t_last, 1e-6),
-                 "train/epoch": micro / per_epoch}
-            m.update({f"train/loss_{k}": v for k, v in parts.items()})
-            if step > logged_upto:
-                tracker.log_metrics(m, step)
-            eta = (now - t_start) / max(step - steps_at_start, 1) * (t.max_steps - step)
-            if t.max_minutes is not None:  # the time budget ends training first on a slow box
-                eta = min(eta, max(t.max_minutes * 60 - (now - t_start), 0.0))
-            _say(f"[train] step {step}/{t.max_steps} loss {m['train/loss']:.4f} "
-                 f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}) lr {lr:.2e} "
-                 f"{m['train/tokens_per_s']:.0f} tok/s eta {eta:.0f}s")
-        losses.clear()
-        tokens_since = 0
-        t_last = now
-        if stop or (t.checkpoint_every and step % t.checkpoint_every == 0):
-            _report(engine, tok, cfg, step, micro, rank, world, tracker, final=stop, config=config, precision=precision)
-        if t.fail_at_step and step == t.fail_at_step and not resumed and rank == world - 1:
-            _say(f"[train] fault injection: worker {rank} exits at step {step} (train.fail_at_step)")
-            os._exit(1)
-        if stop:
-            break
-    ts = tracker.close(tc.flush_timeout_s)  # (already closed by the final checkpoint)
-    if rank == 0 and (ts["failed_calls"] or ts["lost_steps"]):
-        _say(f"[train] MLflow tracking: {ts['failed_calls']} failed requests, up to {ts['peak_buffered']} values "
-             f"buffered; " + (f"metrics of {ts['lost_steps']} steps lost (steps {ts['lost_step_ranges']}, "
-                              f"{ts['lost_values']} values)" if ts["lost_steps"] else "every step's metrics delivered"))
+        return bool(flag.item() > 0)
+
+    def train(self) -> None:
+        import numpy as np
+
+        t, tc = self.cfg.train, self.cfg.tracking
+        if self.step >= t.max_steps:  # the restored checkpoint is already the final one (fit() returns it)
+            if self.rank == 0:
+                _say(f"[train] checkpoint at step {self.step} is final; nothing left to train")
+            self.tracker.close(tc.flush_timeout_s)
+            return
+        t_start = t_last = time.time()
+        steps_at_start = self.step
+        while True:
+            losses, parts, tokens = self.step_once()
+            stop = self.should_stop(t_start)
+            now = time.time()
+            if self.rank == 0:
+                lr = self.scheduler.get_last_lr()[0] if self.scheduler is not None else t.learning_rate
+                m = {"train/loss": float(np.mean(losses)), "train/lr": lr,
+                     "train/tokens_per_s": tokens * self.world / max(now - t_last, 1e-6),
+                     "train/epoch": self.micro / self.per_epoch}
+                m.update({f"train/loss_{k}": v for k, v in parts.items()})
+                if self.step > self.logged_upto:
+                    self.tracker.log_metrics(m, self.step)
+                eta = (now - t_start) / max(self.step - steps_at_start, 1) * (t.max_steps - self.step)
+                if t.max_minutes is not None:  # the time budget ends training first on a slow box
+                    eta = min(eta, max(t.max_minutes * 60 - (now - t_start), 0.0))
+                _say(f"[train] step {self.step}/{t.max_steps} loss {m['train/loss']:.4f} "
+                     f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}) lr {lr:.2e} "
+                     f"{m['train/tokens_per_s']:.0f} tok/s eta {eta:.0f}s")
+            t_last = now
+            if stop or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
+                self.save_checkpoint(final=stop)
+            for cb in self.callbacks:
+                cb.on_step_end(self, self.step)
+            if stop:
+                break
+        ts = self.tracker.close(tc.flush_timeout_s)  # (already closed by the final checkpoint)
+        if self.rank == 0 and (ts["failed_calls"] or ts["lost_steps"]):
+            _say(f"[train] MLflow tracking: {ts['failed_calls']} failed requests, up to {ts['peak_buffered']} values "
+                 f"buffered; " + (f"metrics of {ts['lost_steps']} steps lost (steps {ts['lost_step_ranges']}, "
+                                  f"{ts['lost_values']} values)" if ts["lost_steps"] else "every step's metrics delivered"))
+
+    def save_checkpoint(self, final: bool) -> None:
+        _report(self.engine, self.tok, self.cfg, self.step, self.micro, self.rank, self.world, self.tracker,
+                final=final, config=self.config, precision=self.precision)
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Ray Train's entry on every worker: the :class:`WorkerRecipe`, in order."""
+    recipe = WorkerRecipe(config, callbacks=config.get("callbacks") or ())
+    recipe.setup()
+    recipe.restore()
+    recipe.setup_tracking()
+    recipe.train()
 
 
 def _save_model(engine, d: str, rank: int, zero_stage: int, precision: str) -> None:

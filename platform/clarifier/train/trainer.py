@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -12,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from clarifier.runtime import storage
+from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
 from clarifier.core.config import ClarifierConfig, TrainConfig, flatten
 from clarifier.engine.inference import META_FILE, read_meta
 from clarifier.train.loop import DS_DIR, PIPELINE_PARTS, RANK_DIR, STATE_FILE, resolve_decision_loss, train_columns, train_loop_per_worker
@@ -33,41 +33,21 @@ class TrainResult:
     precision: str = "fp32"  # the resolved training precision (bf16 | fp32)
 
 
-def _tracking_uri(cfg: ClarifierConfig) -> str:
-    """The tracking URI the driver and every worker log to. Unset, it is MLflow's default (a local
-    ``sqlite:///mlflow.db``), made absolute: the workers run in Ray's own working directories and a
-    relative store would be a different, empty database there (their metrics refused: "run not found")."""
-    import mlflow
-
-    return absolute_tracking_uri(cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-                                 or mlflow.get_tracking_uri())
-
-
-def absolute_tracking_uri(uri: str, cwd: str | Path | None = None) -> str:
-    """``sqlite:///rel.db`` / ``file:rel`` / ``rel/mlruns`` -> absolute, against ``cwd``; servers unchanged."""
-    base = Path(cwd or os.getcwd())
-    if uri.split(":")[0] in ("databricks", "databricks-uc", "uc"):
-        return uri
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + str(base / uri[len("sqlite:///"):])
-    if "://" not in uri:
-        path = uri[len("file:"):] if uri.startswith("file:") else uri
-        return str(path if Path(path).is_absolute() else base / path)
-    return uri
-
-
-def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
+def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
     """Train (``train.variant=joint``: one adapter; ``pipeline``: when/how/what adapters) and log to MLflow.
 
     Resume: the Ray Train run is named after ``train.run_name`` (else after the new MLflow run), in
     ``<storage.root>/ray_results``. A worker failure restarts the worker group from the last
     checkpoint (``train.max_failures``); rerunning the same command with the same ``train.run_name``
     continues that run from its last checkpoint, in the same MLflow run.
+
+    ``callbacks`` run inside every worker after each optimizer step
+    (:class:`clarifier.train.loop.WorkerRecipe`); they must be picklable.
     """
     import mlflow
     import ray
 
-    from clarifier.data.pipeline import read_manifest
+    from clarifier.data.outputs import read_manifest
     from clarifier.engine.models import resolve_base_model
 
     data_root = cfg.data.output
@@ -103,7 +83,7 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
     # Convert/download the base model once on the driver's node so workers find it cached.
     resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
 
-    tracking_uri = _tracking_uri(cfg)
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment(t.experiment)
     run_id, resumed = _mlflow_run(cfg, manifest, data_root, decision)
@@ -119,7 +99,8 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
     tracking: dict[str, dict] = {}  # MLflow run id -> tracking stats of the fit that logged to it
     dataset = train_dataset(cfg)  # read once; pipeline parts pick their rows in the workers
     if t.variant == "joint":
-        result = _fit(cfg, None, run_id, tracking_uri, decision, ray_name, storage_path, dataset, n_train, progress)
+        result = _fit(cfg, None, run_id, tracking_uri, decision, ray_name, storage_path, dataset, n_train, progress,
+                      callbacks)
         steps = _copy_model(result, out)
         tracking[run_id] = _tracking_stats(result)
     else:
@@ -128,7 +109,7 @@ def train(cfg: ClarifierConfig, progress=print) -> TrainResult:
         for part in PIPELINE_PARTS:
             child = _child_run(run_id, part, t.experiment)
             result = _fit(cfg, part, child, tracking_uri, decision if part == "when" else DecisionLoss(),
-                          f"{ray_name}-{part}", storage_path, dataset, n_train, progress)
+                          f"{ray_name}-{part}", storage_path, dataset, n_train, progress, callbacks)
             steps += _copy_model(result, out / part)
             tracking[child] = {**_tracking_stats(result), "part": part}
             parts[part] = {"folder": part, "segments": list(PIPELINE_PARTS[part]), "mlflow_run_id": child}
@@ -257,7 +238,7 @@ def train_dataset(cfg: ClarifierConfig):
     reads the same blocks again."""
     import ray.data
 
-    from clarifier.data.pipeline import PACKED_DIR
+    from clarifier.data.outputs import PACKED_DIR
 
     packed = cfg.data.packing.enabled
     fs, path = storage.filesystem(storage.join(cfg.data.output, PACKED_DIR if packed else "train"))
@@ -265,7 +246,7 @@ def train_dataset(cfg: ClarifierConfig):
 
 
 def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str | None, decision, ray_name: str,
-         storage_path: str, dataset, n_train: int, progress):
+         storage_path: str, dataset, n_train: int, progress, callbacks=()):
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -276,7 +257,7 @@ def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str 
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow_run_id": run_id, "tracking_uri": tracking_uri,
-                           "part": part, "decision_loss": asdict(decision)},
+                           "part": part, "decision_loss": asdict(decision), "callbacks": list(callbacks)},
         scaling_config=scaling,
         # Not split: every worker takes its rows of one seeded global order (exact resume; loop.py).
         datasets={"train": dataset}, dataset_config=DataConfig(datasets_to_split=[]),
@@ -306,7 +287,7 @@ def _copy_model(result, out: Path) -> int:
 
 def _calibrate(cfg: ClarifierConfig, folder: Path, progress) -> dict | None:
     """Pick the decision threshold on the calibration split (if it has both classes)."""
-    from clarifier.data.pipeline import load_split
+    from clarifier.data.outputs import load_split
     from clarifier.train.calibrate import calibrate_model
 
     split = cfg.eval.calibration_split
