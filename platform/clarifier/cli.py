@@ -21,7 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 data_app = typer.Typer(no_args_is_help=True, help="Data jobs: synthetic logs, public-dataset import, preprocessing.")
 models_app = typer.Typer(no_args_is_help=True, help="MLflow model registry: register, promote (gated), rollback, list, diff.")
 app.add_typer(data_app, name="data")
-recipe_app = typer.Typer(no_args_is_help=True, help="Named recipes (jobs/recipes/) and their comparison benchmarks (benchmarks/recipe/).")
+recipe_app = typer.Typer(no_args_is_help=True, help="Named recipes (clarifier/recipes/configs/) and their comparison benchmarks (clarifier/recipes/plans/).")
 app.add_typer(models_app, name="models")
 app.add_typer(recipe_app, name="recipe")
 console = Console(highlight=False, soft_wrap=True)
@@ -175,7 +175,7 @@ def data_prepare(config: Optional[Path] = ConfigOpt,
 @app.command()
 def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
           installed_code: bool = InstalledCodeOpt,
-          recipe: Optional[str] = typer.Option(None, "--recipe", help="A named recipe (jobs/recipes/<name>.yaml) or its file: "
+          recipe: Optional[str] = typer.Option(None, "--recipe", help="A named recipe (clarifier/recipes/configs/<name>.yaml) or its file: "
                                                "used as the config, and implies --prepare."),
           prepare: bool = typer.Option(False, "--prepare", help="Run the data job first, unless data.output already holds "
                                        "this data config's output."),
@@ -233,12 +233,12 @@ def eval_cmd(model: str = typer.Option(..., help="models:/name@alias, runs:/<id>
             raise typer.Exit(2)
         cfg.eval.compare = {**cfg.eval.compare, name.strip(): uri.strip()}
     if submit:
-        from clarifier.runtime.submit import _absolute
+        from clarifier.runtime.submit import absolute_path
 
-        args = ["--model", _absolute(model) if Path(model).exists() else model]
-        args += ["--data", _absolute(data) if Path(data).exists() else data] if data else []
+        args = ["--model", absolute_path(model) if Path(model).exists() else model]
+        args += ["--data", absolute_path(data) if Path(data).exists() else data] if data else []
         args += ["--run-id", run_id] if run_id else []
-        args += ["--out", _absolute(str(out))] if out else []
+        args += ["--out", absolute_path(str(out))] if out else []
         _submit(submit, ["eval"], cfg, args, installed_code)
     rep = evaluate(cfg, model, data, run_id=run_id, out_dir=str(out) if out else None, progress=_say)
     _say(f"report: {rep['paths']}")
@@ -325,38 +325,29 @@ def models_rollback(name: str = typer.Argument(..., help="Registered model name.
 def models_list(name: str = typer.Argument("clarifier"),
                 config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """Versions of a registered model: aliases, key eval metrics, last gate decision."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
     from rich.table import Table
 
+    from clarifier.registry.registry import RegistryError, list_versions
+    from clarifier.runtime.mlflow_uri import tracking_uri
+
     cfg = _cfg(config, overrides)
-    client = MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
     try:
-        rm = client.get_registered_model(name)
-    except MlflowException:
-        console.print(f"[red]no registered model {name!r}[/red]")
+        versions = list_versions(name, tracking_uri(cfg.tracking.tracking_uri))
+    except RegistryError as exc:
+        console.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(2)
-    aliases: dict[str, list[str]] = {}
-    for a, v in (rm.aliases or {}).items():
-        aliases.setdefault(str(v), []).append(a)
     t = Table(title=f"{name}")
     for col in ("version", "aliases", "F1", "over-ask", "validity", "eval set", "gate", "run"):
         t.add_column(col, overflow="fold", justify="right" if col in ("F1", "over-ask", "validity") else "left")
-    for mv in sorted(client.search_model_versions(f"name='{name}'"), key=lambda m: int(m.version)):
-        tags = mv.tags or {}
-        gates = ", ".join(f"{k.split('.')[1]}:{v}" for k, v in tags.items() if k.startswith("gate.") and k.endswith(".decision"))
-        t.add_row(str(mv.version), ", ".join(sorted(aliases.get(str(mv.version), []))) or "-",
-                  _tag_num(tags.get("eval.f1")), _tag_num(tags.get("eval.over_asking_rate")),
-                  _tag_num(tags.get("eval.validity")), (tags.get("eval.data") or "-")[-40:], gates or "-",
-                  (mv.run_id or "-")[:8])
+    for v in versions:
+        gates = ", ".join(f"{k}:{d}" for k, d in v["gates"].items())
+        t.add_row(v["version"], ", ".join(v["aliases"]) or "-", _fmt3(v["f1"]), _fmt3(v["over_asking_rate"]),
+                  _fmt3(v["validity"]), (v["eval_data"] or "-")[-40:], gates or "-", (v["run_id"] or "-")[:8])
     _print_table(t)
 
 
-def _tag_num(v) -> str:
-    try:
-        return f"{float(v):.3f}" if v not in (None, "") else "-"
-    except ValueError:
-        return str(v)
+def _fmt3(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 @models_app.command("diff")
@@ -364,48 +355,26 @@ def models_diff(name: str = typer.Argument(..., help="Registered model name."),
                 v1: str = typer.Argument(..., help="First version."), v2: str = typer.Argument(..., help="Second version."),
                 config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """Key metrics of two versions side by side (on their common evaluation set when they have one)."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
     from rich.table import Table
 
-    from clarifier.registry.registry import KEY_METRICS, logged_eval_sets
+    from clarifier.registry.registry import RegistryError, compare_versions
+    from clarifier.runtime.mlflow_uri import tracking_uri
 
     cfg = _cfg(config, overrides)
-    client = MlflowClient(tracking_uri=cfg.tracking.tracking_uri)
     try:
-        a, b = client.get_model_version(name, v1), client.get_model_version(name, v2)
-    except MlflowException as exc:
+        diff = compare_versions(name, v1, v2, tracking_uri(cfg.tracking.tracking_uri))
+    except RegistryError as exc:
         console.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(2)
-    sa, sb = logged_eval_sets(a.tags), logged_eval_sets(b.tags)
-    common = [fp for fp in sa if fp in sb]
-    if common:
-        fp = a.tags.get("eval.data_fingerprint") if a.tags.get("eval.data_fingerprint") in common else common[0]
-        ma, mb, where = sa[fp]["metrics"], sb[fp]["metrics"], f"on {sa[fp]['data']} ({fp[:12]})"
-    else:
-        def tagged(mv):
-            return {k: mv.tags.get(f"eval.{k}") for k in KEY_METRICS}
-        ma, mb = tagged(a), tagged(b)
-        where = "WARNING: no common evaluation set; each version's own registration eval"
-    t = Table(title=f"{name} v{v1} vs v{v2} {where}")
+    t = Table(title=f"{name} v{v1} vs v{v2} {diff['where']}")
     for col in ("metric", f"v{v1}", f"v{v2}", "delta"):
         t.add_column(col, justify="left" if col == "metric" else "right", no_wrap=True)
-    for k in KEY_METRICS:
-        x, y = _as_float(ma.get(k)), _as_float(mb.get(k))
+    for k, x, y in diff["metrics"]:
         delta = f"{y - x:+.4f}" if x is not None and y is not None else "-"
         t.add_row(k, _fmt_num(x), _fmt_num(y), delta)
-    for label, key in (("run", None), ("base model", "clarifier.base_model"), ("data manifest", "clarifier.data_manifest_sha256")):
-        va = a.run_id if key is None else a.tags.get(key)
-        vb = b.run_id if key is None else b.tags.get(key)
+    for label, va, vb in diff["lineage"]:
         t.add_row(label, (va or "-")[:16], (vb or "-")[:16], "" if va == vb else "differs")
     _print_table(t)
-
-
-def _as_float(v):
-    try:
-        return None if v in (None, "") else float(v)
-    except (TypeError, ValueError):
-        return None
 
 
 @recipe_app.command("list")
@@ -419,7 +388,7 @@ def recipe_list():
 
 
 @recipe_app.command("benchmark")
-def recipe_benchmark(plan: str = typer.Argument(..., help="Plan name (benchmarks/recipe/<name>.yaml) or file."),
+def recipe_benchmark(plan: str = typer.Argument(..., help="Plan name (clarifier/recipes/plans/<name>.yaml) or file."),
                      out: Optional[Path] = typer.Option(None, help="Output path without suffix; default benchmarks/results/recipe-<plan name>."),
                      workdir: Optional[Path] = typer.Option(None, help="Data, checkpoints and the local MLflow store; default .clarifier/recipe-benchmark/<recipe>."),
                      overrides: Optional[list[str]] = OverridesArg):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from clarifier.core.config import ConfigError, build_config
-from clarifier.train.loop import PIPELINE_PARTS, batch_indices, canonical_train_table, deepspeed_config, epoch_permutation, make_batch, micro_batches_per_epoch, rng_state, segment_scale, set_rng_state
+from clarifier.core.objective import PIPELINE_PARTS
+from clarifier.train.loop import batch_indices, canonical_train_table, deepspeed_config, epoch_permutation, make_batch, micro_batches_per_epoch, rng_state, segment_scale, set_rng_state
 from clarifier.core.objective import IGNORE, SEGMENT_IDS
 
 

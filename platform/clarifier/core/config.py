@@ -14,6 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from clarifier.core.objective import SegmentWeights
+from clarifier.core.prompt import PromptOptions
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and, when known, the file."""
@@ -164,7 +167,7 @@ class ModelConfig(_Strict):
         "lora", description="lora: train a PEFT LoRA adapter (model.lora) on the frozen base; full: train every "
                             "weight of the base (the model folder then holds full safetensors weights).")
     lora: LoraConfig = Field(LoraConfig(), description="The adapter, with model.finetune=lora (ignored with full).")
-    max_prompt_tokens: int = 384
+    max_prompt_tokens: int = PromptOptions.max_prompt_tokens
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Numeric precision of training, calibration and evaluation: auto = bf16 where the device "
                             "computes it natively (CUDA with bf16; a CPU with AVX512-BF16 or AMX), else fp32. "
@@ -172,10 +175,10 @@ class ModelConfig(_Strict):
 
 
 class LossWeights(_Strict):
-    decision: float = Field(2.0, ge=0)
-    grounding: float = Field(1.0, ge=0)
-    question: float = Field(1.0, ge=0)
-    format: float = Field(0.5, ge=0, description="Weight of the fixed 'decision:' prefix tokens.")
+    decision: float = Field(SegmentWeights.decision, ge=0)
+    grounding: float = Field(SegmentWeights.grounding, ge=0)
+    question: float = Field(SegmentWeights.question, ge=0)
+    format: float = Field(SegmentWeights.format, ge=0, description="Weight of the fixed 'decision:' prefix tokens.")
 
 
 class DecisionLossConfig(_Strict):
@@ -368,30 +371,39 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
+def set_dotted(data: dict, key: str, value: Any, model: Any = None, what: str = "config key") -> None:
+    """``data[a][b][c] = value`` for ``key="a.b.c"`` (a mapping value merges into an existing
+    section). With ``model`` (a pydantic class) every part must be one of its fields, so a typo is
+    an error naming the known keys instead of a silently ignored setting."""
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"{what} {key!r} is not a dotted name")
+    node, cur = model, data
+    for i, part in enumerate(parts):
+        if model is not None:
+            fields = getattr(node, "model_fields", None)
+            if fields is None or part not in fields:
+                where = ".".join(parts[:i]) or "top level"
+                options = ", ".join(sorted(fields)) if fields else "(not a section)"
+                raise ConfigError(f"unknown {what} {key!r}: no {part!r} under {where} (known: {options})")
+            node = fields[part].annotation
+        if i == len(parts) - 1:
+            if isinstance(value, dict) and isinstance(cur.get(part), dict):
+                cur[part].update(value)
+            else:
+                cur[part] = value
+        else:
+            cur = cur.setdefault(part, {})
+            if not isinstance(cur, dict):
+                raise ConfigError(f"{what} {'.'.join(parts[: i + 1])!r} is not a section")
+
+
 def apply_override(data: dict, dotted: str) -> None:
+    """``key.sub=value`` (the value parsed as YAML) into ``data``, checked against ClarifierConfig."""
     if "=" not in dotted:
         raise ConfigError(f"override {dotted!r} must look like key.sub=value")
     key, raw = dotted.split("=", 1)
-    key = key.strip()
-    parts = key.split(".")
-    if not all(parts):
-        raise ConfigError(f"override key {key!r} is not a dotted name")
-    node: Any = ClarifierConfig
-    cur = data
-    for i, part in enumerate(parts):
-        fields = getattr(node, "model_fields", None)
-        if fields is None or part not in fields:
-            where = ".".join(parts[:i]) or "top level"
-            options = ", ".join(sorted(fields)) if fields else "(not a section)"
-            raise ConfigError(f"unknown config key {key!r}: no {part!r} under {where} (known: {options})")
-        ann = fields[part].annotation
-        if i < len(parts) - 1:
-            cur = cur.setdefault(part, {})
-            if not isinstance(cur, dict):
-                raise ConfigError(f"config key {'.'.join(parts[: i + 1])!r} is not a section")
-            node = ann
-        else:
-            cur[part] = _parse_value(raw)
+    set_dotted(data, key, _parse_value(raw), ClarifierConfig)
 
 
 def build_config(data: dict | None, overrides: list[str] | tuple[str, ...] = (), source: str = "<dict>") -> ClarifierConfig:
@@ -401,16 +413,24 @@ def build_config(data: dict | None, overrides: list[str] | tuple[str, ...] = (),
     try:
         return ClarifierConfig.model_validate(data)
     except ValidationError as exc:
-        msgs = []
-        for e in exc.errors():
-            loc = ".".join(str(x) for x in e["loc"])
-            if e["type"] == "extra_forbidden":
-                msgs.append(f"unknown config key {loc!r}")
-            elif not loc:  # a check across sections: its message names the keys
-                msgs.append(e["msg"].removeprefix("Value error, "))
-            else:
-                msgs.append(f"{loc}: {e['msg']} (got {e.get('input')!r})")
-        raise ConfigError(f"invalid config in {source}: " + "; ".join(msgs)) from None
+        raise ConfigError(f"invalid config in {source}: " + "; ".join(validation_messages(exc))) from None
+
+
+def validation_messages(exc: ValidationError, *, unknown: str = "unknown config key {loc!r}", prefix: str = "",
+                        empty_loc: str = "") -> list[str]:
+    """One readable line per pydantic error, the same way for every typed input (configs, plans,
+    importer options, serve arguments): ``unknown`` for keys the model forbids, the bare message for
+    a check across fields (it names the keys), else ``<prefix><loc>: <msg> (got <value>)``."""
+    msgs = []
+    for e in exc.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or empty_loc
+        if e["type"] == "extra_forbidden":
+            msgs.append(unknown.format(loc=loc))
+        elif not loc:
+            msgs.append(e["msg"].removeprefix("Value error, "))
+        else:
+            msgs.append(f"{prefix}{loc}: {e['msg']} (got {e.get('input')!r})")
+    return msgs
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ClarifierConfig:

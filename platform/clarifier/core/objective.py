@@ -17,6 +17,11 @@ IGNORE = -100
 SEGMENT_IDS = {name: i + 1 for i, name in enumerate(SEGMENTS)}  # 0 = prompt / padding
 
 
+# Pipeline variant (``train.variant=pipeline``): which target segments each of its three adapters
+# is trained on (the others get weight 0), in the order inference runs them.
+PIPELINE_PARTS = {"when": ("format", "decision"), "how": ("grounding",), "what": ("question",)}
+
+
 @dataclass(frozen=True)
 class SegmentWeights:
     decision: float = 2.0

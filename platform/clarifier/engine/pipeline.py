@@ -25,10 +25,11 @@ from pathlib import Path
 from clarifier.engine.inference import ClarifierEngine, place, read_meta, refuse_pickles
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from clarifier.engine.precision import resolve_precision, torch_dtype
+from clarifier.core.objective import PIPELINE_PARTS
 from clarifier.core.target import CLARIFY, DECISION_PREFIX
 
 PIPELINE_FILE = "pipeline.json"
-PARTS = ("when", "how", "what")
+PARTS = tuple(PIPELINE_PARTS)  # when, how, what
 
 
 def is_pipeline_folder(folder: str | Path) -> bool:

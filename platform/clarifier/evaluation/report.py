@@ -72,12 +72,17 @@ def _models(report: dict) -> dict[str, dict]:
     return models
 
 
+# Rows whose name alone would mislead: clarifier eval's zero-shot row decides at P(clarify) > 0.5,
+# unlike the recipe benchmark's zero-shot rows, whose threshold is calibrated on dev.
+ROW_LABELS = {"base_model": "base_model (zero-shot, threshold 0.5, uncalibrated)"}
+
+
 def _rows(report: dict) -> tuple[list[str], list[list[str]]]:
     header = ["Model"] + [h for h, _ in COLUMNS]
     rows = []
     for name, entry in _models(report).items():
         metrics = (entry or {}).get("metrics") or {}
-        rows.append([str(name)] + [fmt_metric(metric_at(metrics, path)) for _, path in COLUMNS])
+        rows.append([ROW_LABELS.get(str(name), str(name))] + [fmt_metric(metric_at(metrics, path)) for _, path in COLUMNS])
     return header, rows
 
 

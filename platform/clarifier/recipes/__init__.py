@@ -1,10 +1,10 @@
-"""Named recipes: a training configuration in ``jobs/recipes/<name>.yaml`` that names its own data.
+"""Named recipes: a training configuration in ``clarifier/recipes/configs/<name>.yaml`` that names its own data.
 
-``clarifier train --recipe joint-public`` loads ``jobs/recipes/joint-public.yaml`` (a normal config
+``clarifier train --recipe joint-public`` loads ``clarifier/recipes/configs/joint-public.yaml`` (a normal config
 file whose ``data.sources`` import the public datasets), runs the data job unless its output
 already holds the same data (same ``data`` config and base model in the manifest), then trains.
 ``clarifier recipe benchmark <name>`` runs the comparison table of the recipe
-(``benchmarks/recipe/<name>.yaml``; see :mod:`clarifier.recipes.benchmark`).
+(``clarifier/recipes/plans/<name>.yaml``; see :mod:`clarifier.recipes.benchmark`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Callable
 
 from clarifier.core.config import ClarifierConfig, ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[3]
-RECIPES_DIR = ROOT / "jobs" / "recipes"
-PLANS_DIR = ROOT / "benchmarks" / "recipe"
+# Package data (pyproject.toml): found the same way from a checkout, an editable or a wheel install.
+RECIPES_DIR = Path(__file__).resolve().parent / "configs"
+PLANS_DIR = Path(__file__).resolve().parent / "plans"
 
 
 def available_recipes() -> list[str]:
@@ -24,7 +24,7 @@ def available_recipes() -> list[str]:
 
 
 def recipe_path(name_or_path: str) -> Path:
-    """``jobs/recipes/<name>.yaml`` for a recipe name; a path to a YAML file is returned as is."""
+    """``clarifier/recipes/configs/<name>.yaml`` for a recipe name; a path to a YAML file is returned as is."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml"):
         if not p.is_file():

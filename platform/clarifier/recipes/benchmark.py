@@ -12,7 +12,7 @@ in ``MLFLOW_TRACKING_URI``, else a local sqlite one under the work folder), then
 5. report: overall and per-source tables, leave-one-out table, recall at over-asking budgets,
    error analysis of the joint model per source, stage timings -> ``<out>.json`` and ``<out>.md``.
 
-The plan (``benchmarks/recipe/<name>.yaml``) is a :class:`BenchmarkPlan`.
+The plan (``clarifier/recipes/plans/<name>.yaml``) is a :class:`BenchmarkPlan`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from clarifier.core.config import ClarifierConfig, ConfigError, load_config
+from clarifier.core.config import ClarifierConfig, ConfigError, load_config, validation_messages
 from clarifier.recipes import PLANS_DIR, recipe_path
 
 Progress = Callable[[str], None]
@@ -82,8 +82,7 @@ def load_plan(name_or_path: str) -> BenchmarkPlan:
     try:
         plan = BenchmarkPlan.model_validate(yaml.safe_load(path.read_text()) or {})
     except ValidationError as exc:
-        msgs = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"invalid benchmark plan {path}: {msgs}") from None
+        raise ConfigError(f"invalid benchmark plan {path}: {'; '.join(validation_messages(exc))}") from None
     if "joint" not in plan.variants:
         raise ConfigError(f"{path}: variants must include 'joint' (the recipe as it is)")
     return plan
@@ -243,7 +242,7 @@ def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | 
     plan = plan.model_copy(update={"overrides": [*plan.overrides, *overrides]})
     workdir = Path(workdir or f".clarifier/recipe-benchmark/{plan.recipe}").expanduser().resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    out = Path(out) if out else PLANS_DIR.parent / "results" / name
+    out = Path(out) if out else Path("benchmarks") / "results" / name  # relative to the working directory
     clock = _Clock(progress)
     for k, v in mlflow_env().items():
         os.environ.setdefault(k, v)

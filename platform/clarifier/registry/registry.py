@@ -193,3 +193,67 @@ def resolve_registry_uri(uri: str, cache_dir: str | Path | None = None, tracking
             artifact_uri=uri, dst_path=dst, tracking_uri=tracking_uri))
         return ResolvedModel(folder, uri)
     raise ModelResolutionError(f"{uri}: the registry resolves models:/ and runs:/ URIs only")
+
+
+# ---- queries (``clarifier models list / diff`` render these) ---------------------------------
+
+
+class RegistryError(LookupError):
+    """A registered model or version that does not exist (the message says which)."""
+
+
+def _num(v) -> float | None:
+    try:
+        return None if v in (None, "") else float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def list_versions(name: str, tracking_uri: str | None = None) -> list[dict]:
+    """Every version of ``name``, oldest first: aliases, key eval metrics, gate decisions, run."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(tracking_uri)
+    try:
+        rm = client.get_registered_model(name)
+    except MlflowException:
+        raise RegistryError(f"no registered model {name!r}") from None
+    aliases: dict[str, list[str]] = {}
+    for a, v in (rm.aliases or {}).items():
+        aliases.setdefault(str(v), []).append(a)
+    out = []
+    for mv in sorted(client.search_model_versions(f"name='{name}'"), key=lambda m: int(m.version)):
+        tags = mv.tags or {}
+        out.append({
+            "version": str(mv.version), "aliases": sorted(aliases.get(str(mv.version), [])),
+            "f1": _num(tags.get("eval.f1")), "over_asking_rate": _num(tags.get("eval.over_asking_rate")),
+            "validity": _num(tags.get("eval.validity")), "eval_data": tags.get("eval.data"),
+            "gates": {k.split(".")[1]: v for k, v in tags.items() if k.startswith("gate.") and k.endswith(".decision")},
+            "run_id": mv.run_id,
+        })
+    return out
+
+
+def compare_versions(name: str, v1: str, v2: str, tracking_uri: str | None = None) -> dict:
+    """Key metrics of two versions on their common evaluation set when they have one (else each
+    version's own registration eval, with ``common: False``), plus their lineage tags."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(tracking_uri)
+    try:
+        a, b = client.get_model_version(name, v1), client.get_model_version(name, v2)
+    except MlflowException as exc:
+        raise RegistryError(str(exc)) from None
+    sa, sb = logged_eval_sets(a.tags), logged_eval_sets(b.tags)
+    common = [fp for fp in sa if fp in sb]
+    if common:
+        fp = a.tags.get("eval.data_fingerprint") if a.tags.get("eval.data_fingerprint") in common else common[0]
+        ma, mb, where = sa[fp]["metrics"], sb[fp]["metrics"], f"on {sa[fp]['data']} ({fp[:12]})"
+    else:
+        ma, mb = ({k: mv.tags.get(f"eval.{k}") for k in KEY_METRICS} for mv in (a, b))
+        where = "WARNING: no common evaluation set; each version's own registration eval"
+    lineage = []
+    for label, key in (("run", None), ("base model", "clarifier.base_model"), ("data manifest", "clarifier.data_manifest_sha256")):
+        lineage.append((label, a.run_id if key is None else a.tags.get(key), b.run_id if key is None else b.tags.get(key)))
+    return {"where": where, "common": bool(common), "metrics": [(k, _num(ma.get(k)), _num(mb.get(k))) for k in KEY_METRICS],
+            "lineage": lineage}

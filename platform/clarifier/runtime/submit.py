@@ -72,7 +72,8 @@ def forwarded_env(environ: dict | None = None) -> dict[str, str]:
     return env
 
 
-def _absolute(p: str) -> str:
+def absolute_path(p: str) -> str:
+    """A local path made absolute (a job runs in its own working directory); URIs unchanged."""
     return p if (not p or storage.is_s3(p) or "://" in p) else str(Path(p).expanduser().resolve())
 
 
@@ -81,15 +82,15 @@ def portable_config(cfg: ClarifierConfig, progress: Callable[[str], None] = prin
     upd = {}
     for section, key in (("storage", "root"), ("data", "input"), ("data", "output"), ("model", "cache_dir")):
         v = getattr(getattr(cfg, section), key)
-        if v and _absolute(v) != v:
-            upd.setdefault(section, {})[key] = _absolute(v)
+        if v and absolute_path(v) != v:
+            upd.setdefault(section, {})[key] = absolute_path(v)
     bm = cfg.model.base_model
-    if Path(bm).expanduser().exists() and _absolute(bm) != bm:
-        upd.setdefault("model", {})["base_model"] = _absolute(bm)
+    if Path(bm).expanduser().exists() and absolute_path(bm) != bm:
+        upd.setdefault("model", {})["base_model"] = absolute_path(bm)
     srcs = [s.model_dump() for s in cfg.data.sources]
     for s in srcs:
-        if s["src"] and _absolute(s["src"]) != s["src"]:
-            s["src"] = _absolute(s["src"])
+        if s["src"] and absolute_path(s["src"]) != s["src"]:
+            s["src"] = absolute_path(s["src"])
             upd.setdefault("data", {})["sources"] = srcs
     if not upd:
         return cfg

@@ -58,7 +58,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from clarifier.core.config import ConfigError, ServeConfig
+from clarifier.core.config import ConfigError, ServeConfig, set_dotted, validation_messages
 from clarifier.core.schema import ClarifyRequest, ClarifyResponse
 from clarifier.runtime.cluster import FORWARDED
 from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
@@ -551,16 +551,7 @@ def _nest_dotted(args: dict) -> dict:
     """``{"autoscaling.max_replicas": "2"}`` (as ``serve run k=v`` passes it) -> nested dicts."""
     out: dict = {}
     for key, value in args.items():
-        parts = str(key).split(".")
-        node = out
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"Clarifier serve argument {key!r}: {part!r} is not a section")
-        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
-            node[parts[-1]].update(value)
-        else:
-            node[parts[-1]] = value
+        set_dotted(out, str(key), value, what="Clarifier serve argument")
     return out
 
 
@@ -581,8 +572,7 @@ def parse_app_args(args: Optional[dict]) -> "tuple[ServeConfig, Optional[str]]":
     try:
         cfg = ServeConfig.model_validate(args)
     except ValidationError as exc:
-        msgs = [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()]
-        raise ConfigError("invalid Clarifier serve arguments: " + "; ".join(msgs)) from None
+        raise ConfigError("invalid Clarifier serve arguments: " + "; ".join(validation_messages(exc))) from None
     return cfg, tracking_uri
 
 

@@ -46,7 +46,7 @@ import time
 from clarifier.core.config import ClarifierConfig
 from clarifier.data.packing import collate_packed
 from clarifier.engine.precision import describe, resolve_precision, set_threads, torch_dtype
-from clarifier.core.objective import SEGMENT_IDS, DecisionLoss, collate, joint_loss
+from clarifier.core.objective import PIPELINE_PARTS, SEGMENT_IDS, DecisionLoss, collate, joint_loss
 
 COLUMNS = ["input_ids", "labels", "loss_weights", "segment_ids"]
 TRAIN_COLUMNS = ["id", "needs_clarification", *COLUMNS]
@@ -54,8 +54,6 @@ PACKED_COLUMNS = [*COLUMNS, "position_ids", "clarify"]
 STATE_FILE = "train_state.json"
 DS_DIR = "deepspeed"
 RANK_DIR = "rank_state"
-# Pipeline variant: which target segments each part is trained on (the others get weight 0).
-PIPELINE_PARTS = {"when": ("format", "decision"), "how": ("grounding",), "what": ("question",)}
 
 
 def _say(msg: str) -> None:

@@ -14,11 +14,12 @@ from clarifier.runtime import storage
 from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
 from clarifier.core.config import ClarifierConfig, TrainConfig, flatten
 from clarifier.engine.inference import META_FILE, read_meta
-from clarifier.train.loop import DS_DIR, PIPELINE_PARTS, RANK_DIR, STATE_FILE, resolve_decision_loss, train_columns, train_loop_per_worker
+from clarifier.core.objective import PIPELINE_PARTS
+from clarifier.engine.pipeline import PIPELINE_FILE
+from clarifier.train.loop import DS_DIR, RANK_DIR, STATE_FILE, resolve_decision_loss, train_columns, train_loop_per_worker
 from clarifier.core.objective import DecisionLoss
 
 RUN_NAME_TAG = "clarifier.run_name"
-PIPELINE_FILE = "pipeline.json"
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from clarifier.core.config import validation_messages
 from clarifier.core.schema import Example, describe_validation_error
 
 
@@ -116,14 +117,9 @@ class Importer:
         try:
             return self.options.model_validate(dict(options or {}))
         except ValidationError as exc:
-            msgs = []
-            for e in exc.errors():
-                loc = ".".join(str(x) for x in e["loc"]) or "options"
-                if e["type"] == "extra_forbidden":
-                    known = ", ".join(sorted(self.options.model_fields))
-                    msgs.append(f"unknown option {loc!r} (known: {known})")
-                else:
-                    msgs.append(f"option {loc}: {e['msg']} (got {e.get('input')!r})")
+            known = ", ".join(sorted(self.options.model_fields))
+            msgs = validation_messages(exc, unknown="unknown option {loc!r} (known: " + known.replace("{", "{{") + ")",
+                                       prefix="option ", empty_loc="options")
             raise ValueError(f"importer {self.name!r}: " + "; ".join(msgs)) from None
 
 
