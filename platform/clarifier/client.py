@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import httpx
 from pydantic import BaseModel
 
 from clarifier.core.schema import ClarifyResponse, Passage, Turn
+from clarifier.runtime.retry import RetryPolicy
 
 RETRY_STATUS = frozenset({502, 503, 504})
+CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
 MAX_RETRY_AFTER_S = 30.0
 
 
@@ -77,14 +79,13 @@ def _detail(resp: httpx.Response) -> Any:
 class ClarifierClient:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 10.0,
                  retries: int = 3, backoff: float = 0.2, transport: httpx.BaseTransport | None = None,
-                 api_key_header: str = "authorization"):
+                 api_key_header: str = "authorization", sleep: Callable[[float], Any] = time.sleep):
         if retries < 0:
             raise ValueError("retries must be >= 0")
         if api_key_header.lower() not in ("authorization", "x-api-key"):
             raise ValueError("api_key_header must be 'authorization' (Bearer) or 'x-api-key'")
         self.base_url = base_url.rstrip("/")
-        self.retries = retries
-        self.backoff = backoff
+        self.retry = RetryPolicy(attempts=retries + 1, min_s=backoff, sleep=sleep)
         headers = {"Accept": "application/json"}
         api_key = api_key if api_key is not None else os.environ.get("CLARIFIER_API_KEY")
         if api_key:
@@ -99,22 +100,13 @@ class ClarifierClient:
 
     def _request(self, method: str, path: str, **kw) -> httpx.Response:
         """Send with retries on connect errors and 502/503/504; return the final response."""
-        attempt = 0
-        while True:
-            wait = self.backoff * (2 ** attempt)
-            try:
-                resp = self._http.request(method, path.lstrip("/"), **kw)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
-                if attempt >= self.retries:
-                    raise ClarifierConnectionError(
-                        f"cannot reach Clarifier at {self.base_url} after {attempt + 1} attempt(s): {exc}"
-                    ) from exc
-            else:
-                if resp.status_code not in RETRY_STATUS or attempt >= self.retries:
-                    return resp
-                wait = max(wait, _retry_after(resp))
-            time.sleep(wait)
-            attempt += 1
+        try:
+            return self.retry.call(lambda: self._http.request(method, path.lstrip("/"), **kw), on=CONNECT_ERRORS,
+                                   result=lambda resp: resp.status_code in RETRY_STATUS, wait_at_least=_retry_after)
+        except CONNECT_ERRORS as exc:  # raised only by the last attempt: the others were retried
+            raise ClarifierConnectionError(
+                f"cannot reach Clarifier at {self.base_url} after {self.retry.attempts} attempt(s): {exc}"
+            ) from exc
 
     # ---- API ----------------------------------------------------------------------------------
 

@@ -138,6 +138,25 @@ def test_failed_probe_or_load_keeps_serving_and_backs_off(caplog):
         assert lc.poll_once() is True and lc.version == "m/2"
 
 
+def test_a_version_that_keeps_failing_is_tried_ever_later_up_to_an_hour():
+    now = {"t": 0.0}
+    tried_at = []
+
+    def load(uri):
+        if uri == "models:/m@a":
+            return FakeEngine("m/1")
+        tried_at.append(now["t"])
+        raise OSError("corrupt artifact")
+
+    lc = ModelLifecycle(load, "models:/m@a", probe=lambda: "m/2", refresh_s=300, clock=lambda: now["t"])
+    lc.load_initial()
+    for i in range(40):  # a poll every refresh_s, on the fake clock
+        now["t"] = i * 300.0
+        assert lc.poll_once() is False and lc.version == "m/1"
+    # waits of refresh_s * 2**failures: 600, 1200, 2400 s, then the 1 h cap
+    assert tried_at == [0.0, 600.0, 1800.0, 4200.0, 7800.0, 11400.0]
+
+
 def test_watcher_thread_switches_and_stops():
     target = {"v": "m/1"}
     switched = threading.Event()
@@ -224,6 +243,17 @@ def _lost(metrics, outcome: str) -> float:
     return 0.0
 
 
+class _Records(logging.Handler):
+    """The serving logger's records (Serve stops it propagating to caplog once imported)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def test_ingress_resends_a_request_whose_model_replica_died():
     import asyncio
 
@@ -233,8 +263,16 @@ def test_ingress_resends_a_request_whose_model_replica_died():
 
     call_model = ClarifierIngress.func_or_class._call_model
     ingress, method = _fake_ingress([ActorDiedError(), ActorUnavailableError("gone", None), "answer"])
-    assert asyncio.run(call_model(ingress, "clarify", "req")) == ("answer", "req")
+    records, serve_log = _Records(), logging.getLogger("ray.serve.clarifier")
+    serve_log.addHandler(records)
+    try:
+        assert asyncio.run(call_model(ingress, "clarify", "req")) == ("answer", "req")
+    finally:
+        serve_log.removeHandler(records)
     assert method.calls == 3 and _lost(ingress.metrics, "retried") == 2
+    assert records.messages == [
+        "model replica lost during clarify (ActorDiedError); sending the request again (retry 1 of 2)",
+        "model replica lost during clarify (ActorUnavailableError); sending the request again (retry 2 of 2)"]
 
     ingress, method = _fake_ingress([ActorDiedError()] * 3)  # retries exhausted: raised, counted
     with pytest.raises(ActorDiedError):

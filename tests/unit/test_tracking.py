@@ -1,7 +1,8 @@
 """The training loop's MLflow tracker: buffering through outages, bounded loss, counted drops.
 
 A fake client stands in for the server here; ``tests/integration/test_fault_tracking.py`` stops a
-real ``mlflow server`` mid-training.
+real ``mlflow server`` mid-training. Nothing asserts elapsed time: retries are checked by the delays
+a recording ``sleep`` saw, a stalled server by what the caller got done while it stalled.
 """
 
 from __future__ import annotations
@@ -17,22 +18,23 @@ from clarifier.train.tracking import SafeTracker, parse_step_ranges, step_ranges
 
 class FakeServer:
     """``log_batch`` / ``get_metric_history`` of one run; ``down`` makes requests fail like a
-    refused connection (MLflow's INTERNAL_ERROR), ``refuse`` like a 400, ``hang_s`` stalls each."""
+    refused connection (MLflow's INTERNAL_ERROR), ``refuse`` like a 400; while ``hold`` is set to an
+    unset Event each ``log_batch`` waits for it."""
 
     def __init__(self):
         self.metrics: list = []
         self.tags: dict = {}
         self.down = False
         self.refuse = False
-        self.hang_s = 0.0
+        self.hold: threading.Event | None = None
         self.calls = 0
         self.batch_sizes: list[int] = []
         self.lock = threading.Lock()
 
     def log_batch(self, run_id, metrics=(), tags=()):
         self.calls += 1
-        if self.hang_s:
-            time.sleep(self.hang_s)
+        if self.hold is not None:
+            self.hold.wait()
         if self.down:
             raise MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow/runs/log-batch failed "
                                   "with exception ConnectionRefusedError")
@@ -46,6 +48,8 @@ class FakeServer:
     def get_metric_history(self, run_id, key):
         if self.down:
             raise MlflowException("connection refused")
+        if self.refuse:
+            raise MlflowException("invalid key", error_code=INVALID_PARAMETER_VALUE)
         with self.lock:
             return [m for m in self.metrics if m.key == key]
 
@@ -121,32 +125,41 @@ def test_refused_batch_is_dropped_not_retried_forever():
     assert srv.steps() == [3] and tr.lost_steps == {1, 2} and st["lost_values"] == 6
 
 
+def _wait_for(cond, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def test_close_counts_what_an_unreachable_server_never_got():
     srv = FakeServer()
-    tr = _tracker(srv)
+    # an hour of backoff after a failure: close() must cut that wait short, not sit it out
+    tr = SafeTracker("run", None, client=srv, retry_min_s=3600, retry_max_s=3600, request_timeout_s=1)
     _log(tr, [1])
     assert tr.flush(5)
     srv.down = True
     _log(tr, [2, 3])
-    t0 = time.time()
+    _wait_for(lambda: srv.calls >= 2)  # the send failed: the sending thread now waits out its backoff
     st = tr.close(0.3)
-    assert time.time() - t0 < 3
+    assert not tr._thread.is_alive()  # it stopped within close's join (request_timeout_s + 1), mid-backoff
+    assert srv.calls == 2  # and did not try again
     assert st["lost_step_ranges"] == "2-3" and st["lost_values"] == 6 and st["buffered"] == 0
     assert not tr.log_metrics({"train/loss": 1.0}, 4) and tr.lost_steps == {2, 3, 4}  # closed: counted too
 
 
 def test_a_hung_server_does_not_stall_the_caller_and_batches_respect_the_limit():
     srv = FakeServer()
-    srv.hang_s = 1.0
+    srv.hold = threading.Event()
     tr = _tracker(srv)
     _log(tr, [1], n_keys=5)
-    deadline = time.time() + 5
-    while srv.calls < 1 and time.time() < deadline:  # the sending thread is now stuck in a request
-        time.sleep(0.01)
-    t0 = time.time()
-    _log(tr, range(2, 401), n_keys=5)  # ~2,000 values
-    assert time.time() - t0 < 0.5  # logging only appends to the buffer
-    srv.hang_s = 0
+    _wait_for(lambda: srv.calls >= 1)  # the sending thread is now stuck in a request
+    logger = threading.Thread(target=_log, args=(tr, range(2, 401)), kwargs={"n_keys": 5})  # 2,000 values
+    logger.start()
+    logger.join(60)  # a guard only: logging that waited for the server would never end
+    assert not logger.is_alive(), "log_metrics waited for the hung server"
+    assert srv.calls == 1 and tr.buffered == 400 * 5  # all logged while the first request still hangs
+    srv.hold.set()
     st = tr.close(10)
     assert srv.steps() == list(range(1, 401)) and st["lost_steps"] == 0
     assert max(srv.batch_sizes) <= 1000
@@ -161,6 +174,24 @@ def test_last_step_and_tags():
     assert tr.flush(5) and tr.last_step("train/loss") == 2 and srv.tags == {"a": "1"}
     srv.down = True
     assert tr.last_step("train/loss", tries=2) is None  # unknown, not 0
+    tr.close(0)
+
+
+def test_last_step_retries_transient_errors_with_backoff_and_not_refusals():
+    srv = FakeServer()
+    slept = []
+    tr = SafeTracker("run", None, client=srv, retry_min_s=1.0, retry_max_s=10.0, sleep=slept.append)
+    srv.down = True
+    assert tr.last_step("train/loss") is None  # 4 tries by default
+    assert slept == [1.0, 2.0, 4.0] and tr.failed_calls == 4 and tr.outages == 1
+    slept.clear()
+    assert tr.last_step("train/loss", tries=6) is None
+    assert slept == [1.0, 2.0, 4.0, 8.0, 10.0] and tr.failed_calls == 10  # capped at retry_max_s
+    srv.down, srv.refuse = False, True
+    slept.clear()
+    assert tr.last_step("train/loss") is None and slept == [] and tr.failed_calls == 11  # a 4xx: asked once
+    srv.refuse = False
+    assert tr.last_step("train/loss") == 0 and slept == [] and tr.failed_calls == 11
     tr.close(0)
 
 

@@ -62,6 +62,7 @@ from clarifier.core.config import ConfigError, ServeConfig, set_dotted, validati
 from clarifier.core.schema import ClarifyRequest, ClarifyResponse
 from clarifier.runtime.cluster import FORWARDED
 from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
+from clarifier.runtime.retry import RetryPolicy
 from clarifier.serving.auth import ENV_VAR as API_KEYS_ENV
 from clarifier.serving.auth import HEADER as API_KEY_HEADER
 from clarifier.serving.auth import ApiKeyAuth, key_digests, load_api_keys, presented_key
@@ -79,6 +80,8 @@ RETRY_AFTER_S = 1
 REPLICA_LOSS_RETRIES = 2
 # Errors meaning "the replica holding the request is gone", not "the model failed on it".
 REPLICA_LOST = (ActorDiedError, ActorUnavailableError)
+# Their resends: at once, no backoff (see ClarifierIngress._call_model).
+REPLICA_LOSS = RetryPolicy(attempts=REPLICA_LOSS_RETRIES + 1)
 
 # Non-secret variables forwarded to replicas when set on the driver (credentials are not: they
 # belong to the cluster's own environment / instance profile; API keys never leave the builder).
@@ -326,18 +329,18 @@ class ClarifierIngress:
         repeat; Serve's router has already taken the dead replica out of rotation, so the retry
         goes to a live one (or waits in the queue for the replacement, like any new request).
         """
-        attempt = 0
-        while True:
-            try:
-                return await getattr(self.model, method).remote(arg)
-            except REPLICA_LOST as exc:
-                if attempt >= REPLICA_LOSS_RETRIES:
-                    self.metrics.replica_lost.inc(outcome="unavailable")
-                    raise
-                attempt += 1
-                self.metrics.replica_lost.inc(outcome="retried")
-                log.warning("model replica lost during %s (%s); sending the request again (retry %d of %d)",
-                            method, type(exc).__name__, attempt, REPLICA_LOSS_RETRIES)
+
+        def resent(state) -> None:
+            self.metrics.replica_lost.inc(outcome="retried")
+            log.warning("model replica lost during %s (%s); sending the request again (retry %d of %d)",
+                        method, type(state.outcome.exception()).__name__, state.attempt_number, REPLICA_LOSS_RETRIES)
+
+        try:
+            return await REPLICA_LOSS.acall(lambda: getattr(self.model, method).remote(arg), on=REPLICA_LOST,
+                                            on_retry=resent)
+        except REPLICA_LOST:  # raised only by the last attempt: the others were sent again
+            self.metrics.replica_lost.inc(outcome="unavailable")
+            raise
 
     def _unavailable(self, exc: Exception) -> JSONResponse:
         if isinstance(exc, REPLICA_LOST):

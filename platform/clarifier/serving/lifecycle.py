@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from clarifier.runtime.retry import RetryPolicy
+
 log = logging.getLogger("ray.serve.clarifier")
 
 MAX_RETRY_S = 3600.0
@@ -79,6 +81,8 @@ class ModelLifecycle:
         self.refresh_s = refresh_s
         self._on_switch = on_switch
         self._clock = clock
+        # the wait before loading a failed version again: max(refresh_s, 1) * 2**failures
+        self._retry = RetryPolicy(min_s=2 * max(refresh_s, 1.0), max_s=MAX_RETRY_S)
         self._engine: Any = None
         self._failures: dict[str, tuple[int, float]] = {}  # version -> (failures, retry_at)
         self._stop = threading.Event()
@@ -137,7 +141,7 @@ class ModelLifecycle:
                 new = self._load(pinned_uri(target))
             except Exception:
                 failures += 1
-                delay = min(MAX_RETRY_S, max(self.refresh_s, 1.0) * 2 ** failures)
+                delay = self._retry.backoff(failures)
                 self._failures[target] = (failures, self._clock() + delay)
                 log.exception("loading %s failed (attempt %d); keeping %s, retrying in %.0fs",
                               target, failures, current, delay)

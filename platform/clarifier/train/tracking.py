@@ -3,8 +3,9 @@
 ``log_metrics`` only appends to a bounded in-memory buffer; a daemon thread sends the buffer in
 order, in batches of at most 1000 values (MLflow's ``log_batch`` limit). While the tracking server
 is unreachable (refused, timed out, 5xx, 429) the values stay buffered and the thread retries with
-capped exponential backoff (1 s doubling to ``retry_max_s``); when the server is back the buffer is
-flushed, so a short outage leaves no gap in the curves (each value keeps the timestamp of its step).
+capped exponential backoff (1 s doubling to ``retry_max_s``: the package's ``RetryPolicy``); when
+the server is back the buffer is flushed, so a short outage leaves no gap in the curves (each value
+keeps the timestamp of its step).
 
 Losses are counted, never silent: a step whose values do not fit in the buffer (``max_buffered``
 values) is dropped whole, so is a batch the server refuses (4xx: it would never be accepted), and
@@ -24,6 +25,9 @@ import os
 import threading
 import time
 from collections import deque
+from dataclasses import replace
+
+from clarifier.runtime.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +86,15 @@ class SafeTracker:
     ``client``: anything with MLflow's ``log_batch(run_id, metrics=, tags=)`` and
     ``get_metric_history(run_id, key)`` (default: an ``MlflowClient`` for ``tracking_uri``).
     ``lost_steps``: steps already lost before this tracker (restored from a checkpoint).
+    ``sleep``: how :meth:`last_step` waits between its tries (a test passes a recorder).
     """
 
     def __init__(self, run_id: str | None, tracking_uri: str | None, *, max_buffered: int = 50_000,
                  request_timeout_s: int = 10, retry_min_s: float = 1.0, retry_max_s: float = 10.0,
-                 client=None, lost_steps=()):
+                 client=None, lost_steps=(), sleep=time.sleep):
         self.run_id = run_id
         self.max_buffered = max(1, int(max_buffered))
-        self.retry_min_s, self.retry_max_s = retry_min_s, max(retry_min_s, retry_max_s)
+        self.retry = RetryPolicy(min_s=retry_min_s, max_s=max(retry_min_s, retry_max_s), sleep=sleep)
         self.request_timeout_s = request_timeout_s
         self.failed_calls = 0
         self.lost_values = 0
@@ -214,16 +219,19 @@ class SafeTracker:
         already has, so a crash after logging a step never duplicates it."""
         if self._client is None:
             return None
-        for attempt in range(tries):
+
+        def ask() -> int:
             try:
                 return max((m.step for m in self._client.get_metric_history(self.run_id, key)), default=0)
-            except Exception as exc:
+            except Exception:
                 self._count_failure()
-                if attempt == tries - 1 or _permanent(exc):
-                    log.warning("MLflow get_metric_history(%s) failed (%s); steps already logged are unknown", key, exc)
-                    return None
-                time.sleep(self.retry_min_s * 2 ** attempt)
-        return None
+                raise
+
+        try:
+            return replace(self.retry, attempts=tries).call(ask, on=Exception, unless=_permanent)
+        except Exception as exc:
+            log.warning("MLflow get_metric_history(%s) failed (%s); steps already logged are unknown", key, exc)
+            return None
 
     # ---- the sending side --------------------------------------------------------------------
 
@@ -298,7 +306,7 @@ class SafeTracker:
         return True
 
     def _run(self) -> None:
-        delay = 0.0
+        delays = None  # the backoff of the outage under way, if any
         while True:
             with self._cv:
                 while not self._pending_locked() and not self._stop:
@@ -306,10 +314,11 @@ class SafeTracker:
                 if self._stop:
                     return
             if self._send_once():
-                delay = 0.0
+                delays = None
                 continue
-            delay = min(self.retry_max_s, max(self.retry_min_s, delay * 2))
-            with self._cv:
-                self._cv.wait_for(lambda: self._stop, timeout=delay)
+            if delays is None:
+                delays = self.retry.delays()
+            with self._cv:  # a wait that close() cuts short, so not the policy's sleep
+                self._cv.wait_for(lambda: self._stop, timeout=next(delays))
                 if self._stop:
                     return
