@@ -259,7 +259,7 @@ def test_ingress_resends_a_request_whose_model_replica_died():
 
     from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-    from clarifier.serving.app import ClarifierIngress
+    from clarifier.serving.ingress import ClarifierIngress
 
     call_model = ClarifierIngress.func_or_class._call_model
     ingress, method = _fake_ingress([ActorDiedError(), ActorUnavailableError("gone", None), "answer"])
@@ -290,7 +290,7 @@ def test_a_lost_replica_is_a_retryable_503_not_a_500():
 
     from ray.exceptions import ActorDiedError
 
-    from clarifier.serving.app import ClarifierIngress
+    from clarifier.serving.ingress import ClarifierIngress
 
     ingress, _ = _fake_ingress([])
     resp = ClarifierIngress.func_or_class._unavailable(ingress, ActorDiedError())
