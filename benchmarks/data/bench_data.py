@@ -37,7 +37,7 @@ def baseline_transform(files: list[Path], out: Path, tokenizer, cfg) -> dict:
     """The data job's transform in one process with json + pandas (no Ray)."""
     import pandas as pd
 
-    from clarifier.data.pipeline import dedup_key
+    from clarifier.data.stages import dedup_key
     from clarifier.data.split import assign_split
     from clarifier.data.validate import parse_line
     from clarifier.core.prompt import PromptOptions

@@ -1,7 +1,7 @@
 """The public API: what users, jobs and notebooks import. Everything else is internal and may move.
 
     from clarifier import api
-    cfg = api.load_config("jobs/configs/quickstart.yaml", ["train.max_steps=20"])
+    cfg = api.load_config("platform/clarifier/quickstart.yaml", ["train.max_steps=20"])
     api.prepare(cfg); result = api.train(cfg)
     report = api.evaluate(cfg, result.model_dir)
     engine = api.load_engine("models:/clarifier@champion")

@@ -15,7 +15,7 @@ from pathlib import Path
 from clarifier.core.config import ClarifierConfig, load_config
 from clarifier.runtime.services import free_port, mlflow_env, port_busy, start_mlflow_server
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "quickstart.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().with_name("quickstart.yaml")  # package data: works from a wheel too
 
 N_EXAMPLE_REQUESTS = 4  # sent to the endpoint at the end: held-out test turns, half needing clarification
 

@@ -215,7 +215,7 @@ def test_data_and_training_jobs_run_across_two_nodes(two_node_cluster, s3_server
     base = f"s3://{s3_bucket}"
     write_logs(f"{base}/logs", 40, seed=3, shards=2)
     experiment = f"multinode-{uuid.uuid4().hex[:8]}"
-    common = ["-c", "jobs/configs/quickstart.yaml", f"storage.root={base}/store", f"data.input={base}/logs",
+    common = ["-c", "platform/clarifier/quickstart.yaml", f"storage.root={base}/store", f"data.input={base}/logs",
               f"data.output={base}/data", "data.formats=[jsonl]", f"model.base_model={tiny_model_dir}"]
     client = JobSubmissionClient(url)
     s3 = boto3.client("s3", endpoint_url=s3_server)

@@ -155,7 +155,7 @@ def test_jobs_entrypoint_under_ray_job_submit_on_s3(ray_head, tiny_model_dir, s3
     write_logs(f"{base}/logs", 16, seed=2, shards=2)
     client = JobSubmissionClient(ray_head)
     job = client.submit_job(
-        entrypoint=(f"python jobs/prepare_data.py -c jobs/configs/quickstart.yaml data.input={base}/logs "
+        entrypoint=(f"python jobs/prepare_data.py -c platform/clarifier/quickstart.yaml data.input={base}/logs "
                     f"data.output={base}/data model.base_model={tiny_model_dir}"),
         runtime_env={"working_dir": str(repo), "excludes": [".venv", ".git", ".clarifier", "benchmarks/results"]},
     )

@@ -23,7 +23,7 @@ def test_every_stage_has_a_subcommand():
 
 
 def test_config_prints_resolved_yaml_with_overrides():
-    res = runner.invoke(app, ["config", "-c", str(ROOT / "jobs/configs/quickstart.yaml"), "train.max_steps=3",
+    res = runner.invoke(app, ["config", "-c", str(ROOT / "platform/clarifier/quickstart.yaml"), "train.max_steps=3",
                               "model.lora.r=4"])
     assert res.exit_code == 0, res.output
     cfg = yaml.safe_load(res.output)
@@ -31,7 +31,7 @@ def test_config_prints_resolved_yaml_with_overrides():
 
 
 def test_config_error_names_the_key_and_exits_2():
-    res = runner.invoke(app, ["train", "-c", str(ROOT / "jobs/configs/quickstart.yaml"), "train.max_stepz=3"])
+    res = runner.invoke(app, ["train", "-c", str(ROOT / "platform/clarifier/quickstart.yaml"), "train.max_stepz=3"])
     assert res.exit_code == 2 and "train.max_stepz" in res.output
 
 

@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_shipped_configs_load():
-    for f in (ROOT / "jobs" / "configs").glob("*.yaml"):
+    for f in [*(ROOT / "jobs" / "configs").glob("*.yaml"), ROOT / "platform" / "clarifier" / "quickstart.yaml"]:
         cfg = load_config(f)
         assert cfg.train.num_workers >= 1
 

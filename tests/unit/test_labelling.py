@@ -272,7 +272,7 @@ def test_parse_files_emits_examples_filtered_turns_and_reads_parquet(tmp_path):
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
-    from clarifier.data.pipeline import parse_files
+    from clarifier.data.stages import parse_files
 
     (tmp_path / "raw.jsonl").write_text(_raw(ROUTER) + "\n\n" + json.dumps({"conversation_id": "l", "turns": [
         {"role": "user", "text": "hello?"}]}) + "\n")

@@ -98,7 +98,7 @@ def test_job_configs_for_one_cpu_box_one_gpu_and_a_gpu_cluster():
     from clarifier.core.config import load_config
 
     configs = Path(__file__).resolve().parents[2] / "jobs" / "configs"
-    cpu = load_config(configs / "quickstart.yaml").train
+    cpu = load_config(configs.parents[1] / "platform" / "clarifier" / "quickstart.yaml").train
     assert not cpu.use_gpu and cpu.num_workers == 2
     gpu1 = load_config(configs / "gpu-1.yaml").train
     assert gpu1.use_gpu and gpu1.num_workers == 1 and gpu1.checkpoint_every > 0

@@ -1,6 +1,6 @@
 """Typed configuration: YAML in, validated, with dotted ``key=value`` overrides.
 
-    cfg = load_config("jobs/configs/quickstart.yaml", ["train.max_steps=20", "model.lora.r=4"])
+    cfg = load_config("platform/clarifier/quickstart.yaml", ["train.max_steps=20", "model.lora.r=4"])
 
 A wrong key or a wrong type is a ``ConfigError`` that names the dotted key (and the file).
 """

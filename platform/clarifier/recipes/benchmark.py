@@ -360,7 +360,7 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
                                       n_decisions=ea.decisions, n_questions=ea.questions, seed=plan.seed,
                                       similarity_fn=sim_fn, min_similarity=ea.min_similarity)
     import clarifier
-    from clarifier.data.pipeline import git_commit
+    from clarifier.runtime.cluster import git_commit
 
     return {
         "benchmark": benchmark,

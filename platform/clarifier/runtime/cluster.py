@@ -1,8 +1,10 @@
-"""Starting (or joining) Ray with the environment every worker needs."""
+"""Starting (or joining) Ray with the environment every worker needs; the code version it runs."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 from clarifier.runtime.services import mlflow_env
 
@@ -71,3 +73,14 @@ def init_ray(num_cpus: int | None = None, quiet: bool = True):
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
     return ray
+
+
+def git_commit() -> str | None:
+    """The git commit of this checkout (recorded in manifests and benchmark results), or None."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except Exception:
+        return None

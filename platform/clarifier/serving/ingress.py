@@ -224,20 +224,25 @@ class ClarifierIngress:
             "error": "internal error", "error_id": error_id,
             "message": "the model failed on this request; see the server log for the error id"}})
 
+    async def _answer(self, method: str, arg, n: int):
+        """``(answers, None)``, or ``(None, response)`` when the request is refused (latency budget),
+        no replica can take it (503) or the model fails on it (500 with an error id)."""
+        try:
+            return await self._admitted(method, arg, n)
+        except (BackPressureError, DeploymentUnavailableError, *REPLICA_LOST) as exc:
+            return None, self._unavailable(exc)
+        except Exception:
+            return None, self._internal_error()
+
     # ---- routes ------------------------------------------------------------------------------
 
     @fastapi_app.post("/v1/clarify", response_model=ClarifyResponse, dependencies=AUTH, responses=ERRORS)
     async def clarify(self, body: ClarifyRequest) -> ClarifyResponse:
         """Decide whether the latest turn needs clarification; ask the question if it does."""
         check_limits(body, self.max_history_turns, self.max_chars)
-        try:
-            resp, refused = await self._admitted("clarify", body, 1)
-            if refused is not None:
-                return refused
-        except (BackPressureError, DeploymentUnavailableError, *REPLICA_LOST) as exc:
-            return self._unavailable(exc)
-        except Exception:
-            return self._internal_error()
+        resp, refused = await self._answer("clarify", body, 1)
+        if refused is not None:
+            return refused
         self.metrics.observe_answer(resp)
         return resp
 
@@ -255,14 +260,9 @@ class ClarifierIngress:
                                               "type": "too_short"}])
         for i, req in enumerate(body):
             check_limits(req, self.max_history_turns, self.max_chars, index=i)
-        try:
-            resps, refused = await self._admitted("clarify_many", list(body), len(body))
-            if refused is not None:
-                return refused
-        except (BackPressureError, DeploymentUnavailableError, *REPLICA_LOST) as exc:
-            return self._unavailable(exc)
-        except Exception:
-            return self._internal_error()
+        resps, refused = await self._answer("clarify_many", list(body), len(body))
+        if refused is not None:
+            return refused
         for r in resps:
             self.metrics.observe_answer(r)
         return resps

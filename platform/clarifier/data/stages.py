@@ -1,0 +1,230 @@
+"""The data job's per-block stages, run in Ray workers (:mod:`clarifier.data.pipeline` assembles them):
+``parse_files`` (read, gunzip, split into lines, validate, label, split by conversation),
+``mark_duplicates`` (rows after the first of a duplicated input), and the ``Encoder`` actor
+(tokenise with the joint objective, filter ``too_long``). The Arrow schemas of their outputs are here.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import zlib
+from pathlib import Path
+
+import pyarrow as pa
+
+from clarifier.core.config import LabellingConfig
+from clarifier.core.schema import Example
+from clarifier.data.grounding import GROUNDING_COLUMNS
+from clarifier.data.split import assign_split
+from clarifier.data.validate import check_object, parse_line_full, quarantine_record, read_file, split_lines
+
+LABELLING_REASON_PREFIX = "labelling:"  # filtered_by_reason keys of user turns the labelling rules dropped
+
+# One row per file ("file": line counts), per quarantined line, or per example.
+PARSED_SCHEMA = pa.schema([
+    ("kind", pa.string()),
+    ("source", pa.string()),
+    ("line", pa.int64()),
+    ("reason", pa.string()),
+    ("raw", pa.string()),
+    ("id", pa.string()),
+    ("conversation_id", pa.string()),
+    ("split", pa.string()),
+    ("example_json", pa.string()),
+    ("needs_clarification", pa.bool_()),
+    ("dedup_key", pa.string()),
+    ("order_key", pa.string()),  # examples: (source, line, id) as one string that sorts like the tuple
+    # "file" rows: the file's counts (the manifest's counts are sums of these)
+    ("n_lines", pa.int64()),
+    ("n_blank", pa.int64()),
+    ("n_examples", pa.int64()),
+    ("n_quarantined", pa.int64()),
+    ("n_filtered", pa.int64()),
+    ("n_lines_with_examples", pa.int64()),
+])
+FILE_COUNTS = ["n_lines", "n_blank", "n_examples", "n_quarantined", "n_filtered", "n_lines_with_examples"]
+EXAMPLE_FIELDS = ["source", "line", "id", "conversation_id", "split", "example_json", "needs_clarification",
+                  "dedup_key", "order_key"]
+ENCODED_SCHEMA = pa.schema([PARSED_SCHEMA.field(n) for n in EXAMPLE_FIELDS] + [
+    ("status", pa.string()),  # "ok" | "duplicate" | "too_long"
+    ("reason", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("labels", pa.list_(pa.int32())),
+    ("loss_weights", pa.list_(pa.float32())),
+    ("segment_ids", pa.list_(pa.int8())),
+    ("num_tokens", pa.int32()),
+    ("clarify", pa.int64()),
+    *GROUNDING_COLUMNS,  # filled by the silver-grounding stage, when it runs
+])
+
+
+# ---- stage functions (run in Ray workers) ---------------------------------------------------
+
+
+def dedup_key(ex: Example) -> str:
+    """Identity of an example's input: its history (roles and texts) and query."""
+    payload = json.dumps([[[t.role, t.text] for t in ex.history], ex.query], ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def order_key(source: str, line: int, example_id: str, label: bool) -> str:
+    """``(source, line, id)`` as one string that sorts like the tuple (the dedup keeps the smallest),
+    with the example's label at the end (so the kept row's label travels with it)."""
+    return f"{source}\x00{int(line):012d}\x00{example_id}\x00{int(bool(label))}"
+
+
+def _file_row(source: str, rows: list[dict], n_lines: int, n_blank: int) -> dict:
+    """The "file" row of one input file: its line counts and how many rows of each kind it gave."""
+    kinds = [r["kind"] for r in rows]
+    return {"kind": "file", "source": source, "n_lines": n_lines, "n_blank": n_blank,
+            "n_examples": kinds.count("example"), "n_quarantined": kinds.count("quarantine"),
+            "n_filtered": kinds.count("filtered"),
+            "n_lines_with_examples": len({r["line"] for r in rows if r["kind"] == "example"})}
+
+
+def _record_rows(examples: list[Example], filtered, source: str, line_no: int, seed: int, fractions: dict) -> list[dict]:
+    """PARSED_SCHEMA rows of one good record: its examples, then the user turns the labelling rules filtered."""
+    rows = []
+    for k, ex in enumerate(examples):
+        rows.append({
+            "kind": "example",
+            "source": source,
+            "line": line_no,
+            "id": ex.id,
+            "conversation_id": ex.conversation_id,
+            "split": assign_split(ex.conversation_id, seed, fractions),
+            "example_json": ex.model_dump_json(),
+            "needs_clarification": ex.needs_clarification,
+            "dedup_key": dedup_key(ex),
+            "order_key": order_key(source, line_no, ex.id, ex.needs_clarification),
+        })
+    # A record with filtered turns always has >= 1 example (else it is quarantined): same conversation.
+    conv = examples[0].conversation_id if examples else ""
+    for f in filtered:
+        rows.append({
+            "kind": "filtered", "source": source, "line": line_no, "reason": LABELLING_REASON_PREFIX + f.reason,
+            "raw": f.text, "id": f"{conv}:{f.turn_index}", "conversation_id": conv,
+            "split": assign_split(conv, seed, fractions),
+        })
+    return rows
+
+
+def _parquet_rows(filesystem, path: str, source: str, seed: int, fractions: dict, max_turn_chars: int,
+                  rules: LabellingConfig | None) -> list[dict]:
+    """A Parquet input file: each table row is one record (an example or a conversation log); line = row number."""
+    import pyarrow.parquet as pq
+
+    rows: list[dict] = []
+    n = 0
+    try:
+        with filesystem.open_input_file(path) as f:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+                for rec in batch.to_pylist():
+                    n += 1
+                    obj = {k: v for k, v in rec.items() if v is not None}  # null = absent (column unions)
+                    raw = json.dumps(obj, ensure_ascii=False, default=str)
+                    examples, q, filtered = check_object(obj, source, n, raw, max_turn_chars, rules)
+                    if q is not None:
+                        rows.append({"kind": "quarantine", **q})
+                    else:
+                        rows.extend(_record_rows(examples, filtered, source, n, seed, fractions))
+    except (OSError, ValueError, pa.ArrowException) as exc:  # not Parquet / truncated: keep what was read
+        n += 1
+        rows.append({"kind": "quarantine", **quarantine_record(source, 0, f"cannot read Parquet file after {n - 1} rows: {exc}", b"")})
+    rows.append(_file_row(source, rows, n, 0))
+    return rows
+
+
+def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fractions: dict, max_turn_chars: int,
+                labelling: dict | None = None) -> pa.Table:
+    """Rows of file paths -> PARSED_SCHEMA rows (one per file, per quarantined line, per example,
+    per user turn filtered by the labelling rules)."""
+    rules = LabellingConfig.model_validate(labelling) if labelling else None
+    rows: list[dict] = []
+    for path in batch.column("path").to_pylist():
+        source = scheme + path
+        if path.endswith(".parquet"):
+            rows.extend(_parquet_rows(filesystem, path, source, seed, fractions, max_turn_chars, rules))
+            continue
+        n_lines = n_blank = 0
+        data = read_file(filesystem, path)
+        mine: list[dict] = []
+        if path.endswith(".gz"):
+            try:
+                data = gzip.decompress(data)
+            except (OSError, EOFError, ValueError, zlib.error) as exc:  # not gzip / truncated
+                q = quarantine_record(source, 0, f"cannot decompress gzip file: {exc}", b"")
+                mine.append({"kind": "quarantine", **q})
+                rows.extend([*mine, _file_row(source, mine, 1, 0)])
+                continue
+        for line_no, raw in enumerate(split_lines(data), start=1):
+            if not raw.strip():
+                n_blank += 1
+                continue
+            n_lines += 1
+            examples, q, filtered = parse_line_full(raw, source, line_no, max_turn_chars, rules)
+            if q is not None:
+                mine.append({"kind": "quarantine", **q})
+                continue
+            mine.extend(_record_rows(examples, filtered, source, line_no, seed, fractions))
+        rows.extend([*mine, _file_row(source, mine, n_lines, n_blank)])
+    return pa.Table.from_pylist(rows, schema=PARSED_SCHEMA)
+
+
+def mark_duplicates(batch: pa.Table, *, first: dict[str, str]) -> pa.Table:
+    """Rows whose ``dedup_key`` has duplicates (``first``: key -> the kept row's ``order_key``, the
+    smallest) become ``status="duplicate"`` unless they are that first row."""
+    if not first:
+        return batch
+    keys, orders = batch.column("dedup_key").to_pylist(), batch.column("order_key").to_pylist()
+    labels = batch.column("needs_clarification").to_pylist()
+    status, reason = batch.column("status").to_pylist(), batch.column("reason").to_pylist()
+    for k, (key, order) in enumerate(zip(keys, orders)):
+        kept = first.get(key)
+        if kept is None or order == kept:
+            continue
+        _, _, kept_id, kept_label = kept.split("\x00")
+        conflict = " with a different label" if int(bool(labels[k])) != int(kept_label) else ""
+        status[k] = "duplicate"
+        reason[k] = f"duplicate of {kept_id} (same history and query{conflict})"
+    batch = batch.set_column(batch.schema.get_field_index("status"), "status", pa.array(status, pa.string()))
+    return batch.set_column(batch.schema.get_field_index("reason"), "reason", pa.array(reason, pa.string()))
+
+
+class Encoder:
+    """Callable class for ``map_batches``: loads the tokenizer once per actor; each batch is
+    tokenised with one call for its prompts and one for its targets (``encode_examples``)."""
+
+    def __init__(self, base_model: str, resolved: str, cache_dir: str | None, weights: dict,
+                 max_prompt_tokens: int, max_length: int):
+        from clarifier.engine.models import load_tokenizer, resolve_base_model
+        from clarifier.core.prompt import PromptOptions
+        from clarifier.core.objective import SegmentWeights
+
+        # The driver's resolved folder when this node has it, else resolve here (other node: own cache).
+        path = resolved if (Path(resolved) / "config.json").is_file() else resolve_base_model(base_model, cache_dir)
+        self.tokenizer = load_tokenizer(path)
+        self.weights = SegmentWeights(**weights)
+        self.opts = PromptOptions(max_prompt_tokens=max_prompt_tokens)
+        self.max_length = max_length
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from clarifier.core.objective import encode_examples
+
+        names = [n for n in ENCODED_SCHEMA.names if n in batch.column_names]
+        rows = batch.select(names).to_pylist()
+        examples = [Example.model_validate_json(r["example_json"]) for r in rows]
+        encs = encode_examples(examples, self.tokenizer, self.weights, self.opts, self.max_length)
+        for r, enc in zip(rows, encs):
+            r.update(status="ok", reason=None, clarify=int(bool(r["needs_clarification"])))
+            for name, _ in GROUNDING_COLUMNS:
+                r.setdefault(name, "" if name == "grounding_source" else 0)
+            if enc["truncated"]:
+                r.update(status="too_long", input_ids=[], labels=[], loss_weights=[], segment_ids=[], num_tokens=0,
+                         reason=f"prompt ({enc['prompt_len']} tokens) + target exceed data.max_length={self.max_length}")
+                continue
+            r.update(input_ids=enc["input_ids"], labels=enc["labels"], loss_weights=enc["loss_weights"],
+                     segment_ids=enc["segment_ids"], num_tokens=len(enc["input_ids"]))
+        return pa.Table.from_pylist(rows, schema=ENCODED_SCHEMA)
