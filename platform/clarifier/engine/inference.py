@@ -30,7 +30,7 @@ from typing import Any
 
 from clarifier.engine.grounding_constraint import GroundingConstraint
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
-from clarifier.engine.precision import resolve_precision, torch_dtype
+from clarifier.engine.precision import place, resolve_precision, torch_dtype
 from clarifier.core.prompt import PromptOptions, render_prompt
 from clarifier.core.schema import ClarifyRequest, ClarifyResponse, Grounding
 from clarifier.core.target import ANSWER, CLARIFY, DECISION_PREFIX, try_parse_target
@@ -345,14 +345,3 @@ class ClarifierEngine:
             if progress:
                 progress(len(preds), len(examples))
         return preds
-
-
-def place(model, device: str = "cpu"):
-    """``model`` on ``device`` (``cpu`` or ``cuda``); a clear error when CUDA is asked for and absent."""
-    if str(device).startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ModelResolutionError(f"device {device!r} asked for, but CUDA is not available in this process")
-        return model.to(device)
-    return model

@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clarifier.engine.inference import ClarifierEngine, place, read_meta, refuse_pickles
+from clarifier.engine.inference import ClarifierEngine, read_meta, refuse_pickles
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
-from clarifier.engine.precision import resolve_precision, torch_dtype
+from clarifier.engine.precision import place, resolve_precision, torch_dtype
 from clarifier.core.objective import PIPELINE_PARTS
 from clarifier.core.target import CLARIFY, DECISION_PREFIX
 

@@ -8,13 +8,16 @@ and loss), calibration, evaluation, Ray Data scorer actors (``model.precision``)
 replicas (``serve.precision``); the resolved value is what is logged and written to
 ``clarifier.json``.
 
-torch is imported inside the functions: importing this module costs nothing.
+:func:`place` puts a model on its device (the one place that moves one to CUDA). torch is imported
+inside the functions: importing this module costs nothing.
 """
 
 from __future__ import annotations
 
 import functools
 from typing import Literal
+
+from clarifier.engine.models import ModelResolutionError
 
 Precision = Literal["auto", "bf16", "fp32"]
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -93,3 +96,14 @@ def set_threads(cpus: float) -> int:
     n = max(1, int(cpus))
     torch.set_num_threads(n)
     return n
+
+
+def place(model, device: str = "cpu"):
+    """``model`` on ``device`` (``cpu`` or ``cuda``); a clear error when CUDA is asked for and absent."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ModelResolutionError(f"device {device!r} asked for, but CUDA is not available in this process")
+        return model.to(device)
+    return model

@@ -136,8 +136,8 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     Scoring and generation run in this process (``eval.engine=local``) or in a pool of Ray Data
     actors (``eval.engine=ray``); the always-ask, never-ask and lexical baselines are always in it.
     """
-    from clarifier.engine.inference import ClarifierEngine, read_meta
-    from clarifier.engine.loading import load_engine, resolve_model
+    from clarifier.engine.inference import read_meta
+    from clarifier.engine.loading import resolve_model
     from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
     from clarifier.evaluation.baselines import baseline_predictions
     from clarifier.core.metrics import evaluate_predictions
@@ -167,54 +167,31 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     meta = read_meta(resolved.folder)
     spec = {"model_uri": model_uri, "tracking_uri": tracking_uri, "cache_dir": cfg.model.cache_dir,
             "max_new_tokens": cfg.eval.max_new_tokens, "precision": cfg.model.precision}
-    engine = None
-    if cfg.eval.engine == "local":
-        engine = load_engine(resolved.folder, version=resolved.version, cache_dir=cfg.model.cache_dir,
-                             max_new_tokens=cfg.eval.max_new_tokens, precision=cfg.model.precision)
     precision = describe(cfg.model.precision, "cuda" if cfg.eval.ray_gpus_per_actor else "cpu")
     progress(f"[eval] inference precision {precision}")
     sim_fn, sim_info = similarity_fn_for(cfg, progress)
-    models: dict[str, dict] = {}
+
+    def row(preds, **extra) -> dict:
+        return {"metrics": evaluate_predictions(examples, preds, similarity_fn=sim_fn),
+                "scores": [p.confidence for p in preds], "gold": gold, **extra}
+
     t0 = time.time()
-    preds = _predict(cfg, spec, examples, engine=engine, progress=progress, bar=bar("model"))
+    preds = _model_predictions(cfg, spec, resolved, examples, progress, bar("model"))
     secs = time.time() - t0
-    models["model"] = {"metrics": evaluate_predictions(examples, preds, similarity_fn=sim_fn),
-                       "scores": [p.confidence for p in preds], "gold": gold}
+    models: dict[str, dict] = {"model": row(preds)}
     samples = [{"id": e.id, "query": e.query, "gold": e.needs_clarification, "gold_question": e.clarifying_question,
                 "pred": p.needs_clarification, "confidence": round(p.confidence, 4), "question": p.question,
                 "grounding_turns": list(p.grounding_turns), "valid": p.valid}
                for e, p in list(zip(examples, preds))[:20]]
-    del engine
     for name, uri in cfg.eval.compare.items():  # e.g. the pipeline variant, beside the joint model
         if name in ("model", "always_ask", "never_ask", "lexical", "base_model"):
             raise ValueError(f"eval.compare name {name!r} is taken by a built-in row; pick another")
         other = resolve_model(uri, tracking_uri=tracking_uri)
-        other_engine = None
-        if cfg.eval.engine == "local":
-            other_engine = load_engine(other.folder, version=other.version, cache_dir=cfg.model.cache_dir,
-                                       max_new_tokens=cfg.eval.max_new_tokens, precision=cfg.model.precision)
-        op = _predict(cfg, {**spec, "model_uri": uri}, examples, engine=other_engine, progress=progress, bar=bar(name))
-        del other_engine
-        models[name] = {"metrics": evaluate_predictions(examples, op, similarity_fn=sim_fn),
-                        "scores": [p.confidence for p in op], "gold": gold, "model_uri": uri,
-                        "model_version": other.version}
-    baselines = list(dict.fromkeys(["always_ask", "never_ask", "lexical", *cfg.eval.baselines]))
-    for name in baselines:
-        if name == "base_model":
-            # Zero-shot decision: clarify iff P(clarify) > P(answer), i.e. threshold 0.5.
-            base_spec = {"base_model": meta.base_model, "cache_dir": cfg.model.cache_dir, "threshold": 0.5,
-                         "prompt": meta.prompt or {}, "precision": cfg.model.precision}
-            base = None
-            if cfg.eval.engine == "local":
-                base = ClarifierEngine.from_base(meta.base_model, cache_dir=cfg.model.cache_dir, threshold=0.5,
-                                                 prompt_opts=meta.prompt_options(), precision=cfg.model.precision)
-            bp = _predict(cfg, base_spec, examples, engine=base, mode="score", progress=progress,
-                          bar=bar("base_model"))
-            del base
-        else:
-            bp = baseline_predictions(name, examples)
-        models[name] = {"metrics": evaluate_predictions(examples, bp, similarity_fn=sim_fn),
-                        "scores": [p.confidence for p in bp], "gold": gold}
+        models[name] = row(_model_predictions(cfg, {**spec, "model_uri": uri}, other, examples, progress, bar(name)),
+                           model_uri=uri, model_version=other.version)
+    for name in dict.fromkeys(["always_ask", "never_ask", "lexical", *cfg.eval.baselines]):
+        models[name] = row(_zero_shot_predictions(cfg, meta, examples, progress, bar(name)) if name == "base_model"
+                           else baseline_predictions(name, examples))
     report = {
         "model_uri": model_uri, "model_version": resolved.version, "data": data, "split": cfg.eval.split,
         "data_name": ed.name, "data_fingerprint": ed.fingerprint,
@@ -235,6 +212,31 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
         _log_to_mlflow(run_id, report, out, tracking_uri)
     report["paths"] = {k: str(v) for k, v in paths.items()}
     return report
+
+
+def _model_predictions(cfg: ClarifierConfig, spec: dict, resolved, examples: list[Example], progress, bar) -> list:
+    """A trained model's predictions: loaded in this process (``eval.engine=local``), else by the actors."""
+    from clarifier.engine.loading import load_engine
+
+    engine = None
+    if cfg.eval.engine == "local":
+        engine = load_engine(resolved.folder, version=resolved.version, cache_dir=cfg.model.cache_dir,
+                             max_new_tokens=cfg.eval.max_new_tokens, precision=cfg.model.precision)
+    return _predict(cfg, spec, examples, engine=engine, progress=progress, bar=bar)
+
+
+def _zero_shot_predictions(cfg: ClarifierConfig, meta, examples: list[Example], progress, bar) -> list:
+    """The untrained base model with the model's prompt, decision only, clarify iff P(clarify) > P(answer)
+    (threshold 0.5, not calibrated: the recipe benchmark's zero-shot rows calibrate on dev)."""
+    from clarifier.engine.inference import ClarifierEngine
+
+    spec = {"base_model": meta.base_model, "cache_dir": cfg.model.cache_dir, "threshold": 0.5,
+            "prompt": meta.prompt or {}, "precision": cfg.model.precision}
+    engine = None
+    if cfg.eval.engine == "local":
+        engine = ClarifierEngine.from_base(meta.base_model, cache_dir=cfg.model.cache_dir, threshold=0.5,
+                                           prompt_opts=meta.prompt_options(), precision=cfg.model.precision)
+    return _predict(cfg, spec, examples, engine=engine, mode="score", progress=progress, bar=bar)
 
 
 def _flat_metrics(prefix: str, d: dict) -> dict[str, float]:
