@@ -1,0 +1,1 @@
+"""Helpers shared by the test modules (importable as ``support``: pyproject's pytest ``pythonpath``)."""
