@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from tinymodel import build_tiny_model
+    from support.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
@@ -43,17 +38,12 @@ def s3_server():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     url = f"http://127.0.0.1:{port}"
-    old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
-                                          "AWS_ENDPOINT_URL_S3", "AWS_REGION")}
-    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
-                       "AWS_ENDPOINT_URL": url, "AWS_ENDPOINT_URL_S3": url})
-    yield url
-    server.stop()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:  # the session's env, given back at its end
+        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+                     "AWS_ENDPOINT_URL": url, "AWS_ENDPOINT_URL_S3": url}.items():
+            mp.setenv(k, v)
+        yield url
+        server.stop()
 
 
 @pytest.fixture
@@ -73,33 +63,37 @@ def mlflow_server(tmp_path_factory):
     from clarifier.runtime.services import start_mlflow_server
 
     server = start_mlflow_server(tmp_path_factory.mktemp("mlflow"))
-    old = os.environ.get("MLFLOW_TRACKING_URI")
-    os.environ["MLFLOW_TRACKING_URI"] = server.url
-    yield server.url
-    server.stop()
-    if old is None:
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
-    else:
-        os.environ["MLFLOW_TRACKING_URI"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", server.url)
+        yield server.url
+        server.stop()
 
 
 @pytest.fixture(scope="module")
 def ray_local(request, s3_server, mlflow_server):
-    """A local Ray instance of this module's own (``RAY_CPUS`` in the module, default 4 logical CPUs).
+    """A local Ray instance of this module's own (``RAY_CPUS`` in the module, default 4 logical CPUs),
+    with the worker env the platform forwards.
 
     It starts after the S3 and MLflow fixtures so that its processes inherit their endpoints and
-    credentials from this process's environment, and always as a fresh instance
-    (``address="local"``), never joining a ``ray start`` head that another test left running.
+    credentials from this process's environment.
     """
-    import ray
+    from clarifier.runtime.cluster import worker_env
+    from support.ray import start_ray
 
-    from clarifier.runtime.cluster import init_ray
+    with start_ray(getattr(request.module, "RAY_CPUS", 4), dashboard=True, env=worker_env(),
+                   log_to_driver=True) as ray:
+        yield ray
 
-    if ray.is_initialized():
-        ray.shutdown()
-    init_ray(num_cpus=getattr(request.module, "RAY_CPUS", 4))
-    yield ray
-    ray.shutdown()
+
+@pytest.fixture
+def ray_own():
+    """A local Ray instance of this test's own (3 logical CPUs), for tests that run their own
+    servers: list those fixtures before this one, so that its processes inherit their environment."""
+    from clarifier.runtime.cluster import worker_env
+    from support.ray import start_ray
+
+    with start_ray(3, dashboard=True, env=worker_env(), log_to_driver=True) as ray:
+        yield ray
 
 
 # --- reliability records ----------------------------------------------------------------------

@@ -175,22 +175,13 @@ def build_workload(n: int, clear_share: float, seed: int = 0) -> list[dict]:
 
 
 def tiny_model(work: Path) -> Path:
-    """The tiny test model + a LoRA adapter (tests/tinymodel.py), threshold set later."""
+    """The tiny test model + a LoRA adapter (tests/support), threshold set later."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from peft import LoraConfig, get_peft_model
-    from tinymodel import build_tiny_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from clarifier.engine.inference import ModelMeta, write_meta
+    from support.adapters import untrained_adapter
+    from support.tinymodel import build_tiny_model
 
     base = build_tiny_model(work / "tiny-base")
-    folder = work / "tiny-adapter"
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
-    write_meta(folder, ModelMeta(base_model=str(base), threshold=0.5))
-    return folder
+    return untrained_adapter(base, work / "tiny-adapter", threshold=0.5)
 
 
 def with_threshold(folder: Path, out: Path, threshold: float) -> Path:
@@ -343,7 +334,7 @@ def main(argv: list[str]) -> None:
 
     if a.tiny:
         folder = tiny_model(work)
-        model_label = "tiny test model (tests/tinymodel.py) + LoRA"
+        model_label = "tiny test model (tests/support/tinymodel.py) + LoRA"
     else:
         resolved = resolve_model(a.model, tracking_uri=a.tracking_uri)
         folder, model_label = Path(resolved.folder), f"{a.model} ({resolved.version})"

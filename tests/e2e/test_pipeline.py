@@ -11,20 +11,7 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 
-@pytest.fixture(scope="module")
-def ray_local(mlflow_server):
-    import ray
-
-    from clarifier.runtime.cluster import init_ray
-
-    init_ray(num_cpus=4)  # 2 train workers + room for the Ray Data tasks feeding them
-    yield
-    from ray import serve
-
-    try:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
+RAY_CPUS = 4  # ray_local: 2 train workers + room for the Ray Data tasks feeding them
 
 
 @pytest.mark.timeout(900)
@@ -40,13 +27,14 @@ def test_logs_to_served_model(tiny_model_dir, mlflow_server, ray_local, tmp_path
     from clarifier.serving.app import run_local
     from clarifier.runtime.services import free_port
     from clarifier.train.trainer import train
+    from support.config import tiny_lora
 
     logs, data = tmp_path / "logs", tmp_path / "data"
     write_logs(str(logs), 60, seed=3, shards=2)
     (logs / "broken.jsonl").write_text('{"conversation_id": "x", "turns": []}\nnot json\n')
     cfg = build_config({}, [
         f"storage.root={tmp_path / 'store'}", f"data.input={logs}", f"data.output={data}",
-        f"model.base_model={tiny_model_dir}", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]",
+        *tiny_lora(tiny_model_dir),
         "train.num_workers=2", "train.zero_stage=2", "train.max_steps=4", "train.micro_batch_size=2",
         "train.learning_rate=0.001", "train.warmup_steps=1", "train.experiment=e2e",
         "eval.max_examples=12", "eval.max_new_tokens=8", "eval.batch_size=4",

@@ -34,17 +34,10 @@ def _examples(n=10):
 def adapter(tmp_path_factory, tiny_model_dir):
     """A LoRA adapter on the tiny model whose threshold is the median P(clarify) of the eval set, so
     about half of the turns take the generation path."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from clarifier.engine.inference import ClarifierEngine, ModelMeta, write_meta
+    from support.adapters import untrained_adapter
 
-    folder = tmp_path_factory.mktemp("eval-engines") / "adapter"
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                           LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
-    write_meta(folder, ModelMeta(base_model=str(tiny_model_dir), threshold=0.5))
+    folder = untrained_adapter(tiny_model_dir, tmp_path_factory.mktemp("eval-engines") / "adapter", threshold=0.5, r=2)
     scores = ClarifierEngine.from_folder(folder).score_examples(_examples(), BATCH)
     write_meta(folder, ModelMeta(base_model=str(tiny_model_dir), threshold=statistics.median(scores)))
     return folder

@@ -48,18 +48,6 @@ def own_s3(monkeypatch):
     state["server"].stop()
 
 
-@pytest.fixture
-def ray_local():
-    import ray
-
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    yield ray
-    ray.shutdown()
-
-
 def _rows(uri: str, split: str) -> list[dict]:
     fs, path = storage.filesystem(storage.join(uri, split))
     t = pads.dataset(path, filesystem=fs, format="parquet").to_table(
@@ -68,7 +56,7 @@ def _rows(uri: str, split: str) -> list[dict]:
 
 
 @pytest.mark.timeout(420)
-def test_store_outage_fails_cleanly_and_rerun_matches(own_s3, ray_local, tiny_model_dir, reliability):
+def test_store_outage_fails_cleanly_and_rerun_matches(own_s3, ray_own, tiny_model_dir, reliability):
     import boto3
 
     boto3.client("s3", endpoint_url=own_s3["url"]).create_bucket(Bucket="faults")

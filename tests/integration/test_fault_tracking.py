@@ -73,19 +73,6 @@ def mlflow_globals(monkeypatch):
     fluent._active_experiment_id = exp
 
 
-@pytest.fixture
-def ray_own():
-    import ray
-
-    from clarifier.runtime.cluster import init_ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    init_ray(num_cpus=3)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.timeout(900)
 def test_tracking_outage_mid_training_loses_no_metrics(own_mlflow, mlflow_globals, ray_own, tiny_model_dir, tmp_path,
                                                        reliability):
@@ -96,12 +83,12 @@ def test_tracking_outage_mid_training_loses_no_metrics(own_mlflow, mlflow_global
     from clarifier.data.synthetic import write_logs
     from clarifier.train.tracking import parse_step_ranges
     from clarifier.train.trainer import train
+    from support.config import tiny_lora
 
     write_logs(str(tmp_path / "logs"), 40, seed=5, shards=1)
     cfg = build_config({}, [
         f"storage.root={tmp_path / 'store'}", f"data.input={tmp_path / 'logs'}", f"data.output={tmp_path / 'data'}",
-        "data.formats=[jsonl]", f"model.base_model={tiny_model_dir}", "model.lora.r=4",
-        "model.lora.target_modules=[q_proj,v_proj]", "train.num_workers=1", "train.micro_batch_size=2",
+        "data.formats=[jsonl]", *tiny_lora(tiny_model_dir), "train.num_workers=1", "train.micro_batch_size=2",
         f"train.max_steps={MAX_STEPS}", "train.checkpoint_every=2", "train.warmup_steps=2",
         "train.run_name=outage", "train.experiment=tracking-outage", "eval.calibration_split=null",
         f"tracking.tracking_uri={own_mlflow['url']}"])
@@ -175,11 +162,13 @@ def test_tracking_outage_mid_training_loses_no_metrics(own_mlflow, mlflow_global
 
     # Training never waited on the dead server: no step during the outage took long (MLflow's
     # default client retries a refused request for ~4 minutes, so a synchronous logger would).
+    # Steps take ~0.1 s and checkpoints ~2 s; 60 s leaves room for a loaded 2-core box and is
+    # still far below those 4 minutes.
     outage = {m.step for m in hist if t_down * 1000 <= m.timestamp <= t_up * 1000}
     at_risk = len(outage)
     assert at_risk >= OUTAGE_STEPS - 2, (at_risk, before, down_at, during)
     gaps = [(b.timestamp - a.timestamp) / 1000 for a, b in zip(hist, hist[1:]) if b.step in outage]
-    assert max(gaps) < 20, gaps
+    assert max(gaps) < 60, gaps
     keys = len({k for k in client.get_run(run_id).data.metrics if k.startswith("train/")} - {"train/steps",
                                                                                             "train/seconds"})
     reliability(fault="MLflow tracking server stopped mid-training",

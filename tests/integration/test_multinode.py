@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -47,122 +44,29 @@ BIN = Path(sys.executable).parent
 NODE_CPUS = 2
 
 
-MARKER = "CLARIFIER_TEST_CLUSTER"  # set in our nodes' environment; every process they start inherits it
-
-
-def _own_pids(tag: str) -> list[int]:
-    """Processes of our cluster only: their environment carries ``MARKER=tag`` (the raylets, GCS,
-    dashboard and every worker inherit it from ``ray start``; a worker's command line, rewritten to
-    ``ray::...``, does not name our temp dirs)."""
-    needle = f"{MARKER}={tag}".encode()
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if needle in (d / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-    return pids
-
-
-def _node_env(tag: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env[MARKER] = tag
-    env["RAY_AUTH_MODE"] = "disabled"  # ~/.ray/auth_token would turn token auth on for a new head
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # job entrypoints run `python` from PATH
-    return env
-
-
-def _ports() -> list[str]:
-    """Every port a node opens that has a fixed default (two nodes, or another test's head, on one
-    host would otherwise collide on e.g. the dashboard agent's 52365)."""
-    from clarifier.runtime.services import free_port
-
-    return [f"--{name}={free_port()}" for name in (
-        "node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-        "runtime-env-agent-port", "metrics-export-port")]
-
-
-def _start(args: list[str], temp: str, name: str, tag: str) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "ray"), "start", *args, f"--temp-dir={temp}", "--block",
-                             "--disable-usage-stats", f"--num-cpus={NODE_CPUS}", "--object-store-memory=300000000"],
-                            stdout=open(Path(temp) / f"{name}.log", "ab"), stderr=subprocess.STDOUT, env=_node_env(tag),
-                            start_new_session=True)
-
-
-def _stop(procs: list[subprocess.Popen], temps: list[str], tag: str) -> None:
-    """Stop exactly what we started: our process groups, then any process still carrying our tag.
-    (``ray start --block`` takes about a minute to exit on SIGTERM; 10 s of grace, then SIGKILL.)"""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + grace
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
-        for pid in _own_pids(tag):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        time.sleep(2)
-        if all(p.poll() is not None for p in procs) and not _own_pids(tag):
-            break
-    for temp in temps:
-        shutil.rmtree(temp, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def two_node_cluster(s3_server, mlflow_server):
     """Head + second node as separate ``ray start`` processes; yields the dashboard URL and the
     node ids by role ({"head": ..., "node_b": ...})."""
-    from ray.job_submission import JobSubmissionClient
     from ray.util.state import list_nodes
 
-    from clarifier.runtime.services import free_port
+    from support.ray import start_cluster
 
-    port, dash, client_port = free_port(), free_port(), free_port()
-    # Short paths: Ray's socket paths have a length limit.
-    temps = [tempfile.mkdtemp(prefix="clrmh-", dir="/tmp"), tempfile.mkdtemp(prefix="clrmb-", dir="/tmp")]
-    procs: list[subprocess.Popen] = []
-    tag = uuid.uuid4().hex
-    url = f"http://127.0.0.1:{dash}"
-    try:
-        procs.append(_start(["--head", f"--port={port}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
-                             "--include-dashboard=true", f"--ray-client-server-port={client_port}",
-                             '--resources={"head_node": 1}', *_ports()], temps[0], "head", tag))
+    with start_cluster(NODE_CPUS, resources=({"head_node": 1}, {"node_b": 1}),
+                       node_args=("--object-store-memory=300000000",)) as cluster:
         deadline = time.time() + 180
-        while True:  # the Job Submission API answers once the head is up
-            if procs[0].poll() is not None:
-                raise RuntimeError(f"head exited: {(Path(temps[0]) / 'head.log').read_text()[-2000:]}")
-            try:
-                JobSubmissionClient(url).list_jobs()
-                break
-            except Exception:
-                assert time.time() < deadline, "the head's Job Submission API did not come up"
-                time.sleep(2)
-        procs.append(_start([f"--address=127.0.0.1:{port}", '--resources={"node_b": 1}', *_ports()],
-                            temps[1], "node_b", tag))
         nodes: dict[str, str] = {}
         while len(nodes) < 2:
-            if procs[1].poll() is not None:
-                raise RuntimeError(f"node_b exited: {(Path(temps[1]) / 'node_b.log').read_text()[-2000:]}")
+            if cluster.procs[1].poll() is not None:
+                raise RuntimeError(f"node_b exited: {cluster.log(1)}")
             assert time.time() < deadline, f"node_b did not join: {nodes}"
             time.sleep(2)
-            for n in list_nodes(address=url, detail=True, raise_on_missing_output=False):
+            for n in list_nodes(address=cluster.url, detail=True, raise_on_missing_output=False):
                 if n.state == "ALIVE":
                     for role in ("head_node", "node_b"):
                         if n.resources_total.get(role):
                             nodes["head" if role == "head_node" else "node_b"] = n.node_id
-        yield {"url": url, "nodes": nodes, "temps": temps}
-    finally:
-        _stop(list(reversed(procs)), temps, tag)
+        yield {"url": cluster.url, "nodes": nodes}
 
 
 def _submit(cli_args: list[str], timeout: float) -> tuple[dict, str]:

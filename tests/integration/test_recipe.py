@@ -8,10 +8,9 @@ import json
 import pytest
 import yaml
 
-from conftest import SHARED
+from support.paths import PUBLIC
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-PUBLIC = SHARED / "data" / "public"
 
 
 @pytest.mark.timeout(900)

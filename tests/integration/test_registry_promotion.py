@@ -172,22 +172,11 @@ def test_gate_needs_a_common_evaluation_set(mlflow_server, tmp_path):
 @pytest.fixture(scope="module")
 def tiny_adapters(tmp_path_factory, tiny_model_dir):
     """Two adapters on the tiny model that differ only in their threshold: never asks vs always asks."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from clarifier.engine.inference import ModelMeta, write_meta
+    from support.adapters import untrained_adapter
 
     root = tmp_path_factory.mktemp("adapters")
-    out = {}
-    for label, thr in (("never", 1.0), ("always", 0.0)):
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                               LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-        folder = root / label
-        model.save_pretrained(folder)
-        AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
-        write_meta(folder, ModelMeta(base_model=str(tiny_model_dir), threshold=thr))
-        out[label] = folder
-    return out
+    return {label: untrained_adapter(tiny_model_dir, root / label, threshold=thr, r=2)
+            for label, thr in (("never", 1.0), ("always", 0.0))}
 
 
 def _eval_file(path: Path) -> Path:

@@ -2,28 +2,25 @@
 
 The adapter's threshold is 0 so every request takes the generation path; the tiny random model
 produces garbage, which exercises the engine's malformed-output fallback (valid_output=False).
-The server requires an API key (two keys configured through $CLARIFIER_API_KEYS).
-The first tests (config file, app_builder args) do not start Ray.
+The server requires an API key (two keys configured through $CLARIFIER_API_KEYS). What needs no
+Ray (deploy configs, app_builder's arguments, Serve options) is tests/unit/test_serving_config.py.
 """
 
 from __future__ import annotations
 
-import socket
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (tinymodel)
+from clarifier.core.config import ServeConfig
+from clarifier.core.schema import ClarifyResponse
+from clarifier.runtime.services import free_port
 
-from clarifier.core.config import ConfigError, ServeConfig  # noqa: E402
-from clarifier.core.schema import ClarifyResponse  # noqa: E402
+pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 MAX_HISTORY = 5
 MAX_CHARS = 3000
 MAX_BATCH = 4
@@ -38,111 +35,31 @@ HISTORY = [
 PASSAGES = [{"id": "p1", "text": "To close an account, visit the branch."}, {"id": "p2", "text": "Savings accounts earn interest."}]
 
 
-# ---- no Ray ------------------------------------------------------------------------------------
-
-
-def test_serve_config_file_is_a_valid_serve_deploy_config():
-    from ray.serve.schema import ServeDeploySchema
-
-    data = yaml.safe_load((REPO / "serve" / "serve_config.yaml").read_text())
-    schema = ServeDeploySchema.model_validate(data)
-    (app,) = [a for a in schema.applications if a.name == "clarifier"]
-    assert app.import_path == "clarifier.serving.app:app_builder"
-    assert app.route_prefix == "/"
-    assert app.args["model_uri"] == "models:/clarifier@champion"
-    from clarifier.serving.app import parse_app_args
-
-    cfg, _ = parse_app_args(app.args)  # the file's args are valid ServeConfig overrides
-    assert cfg.model_uri == "models:/clarifier@champion"
-
-
-def test_app_builder_args_are_validated():
-    from clarifier.serving.app import app_builder, parse_app_args
-
-    cfg, tracking = parse_app_args({"model_uri": "/m", "num_replicas": "2", "max_batch_size": "4",
-                                    "tracking_uri": "http://mlflow:5000"})
-    assert (cfg.model_uri, cfg.num_replicas, cfg.max_batch_size, tracking) == ("/m", 2, 4, "http://mlflow:5000")
-    with pytest.raises(ConfigError, match="num_replica"):
-        app_builder({"model_uri": "/m", "num_replica": 2})
-    with pytest.raises(ConfigError, match="max_batch_size"):
-        app_builder({"max_batch_size": "zero"})
-    app = app_builder({"model_uri": "/m"})  # builds (binds) without touching Ray
-    assert app is not None
-
-
-def test_serve_app_reexport():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("serve_app_reexport", REPO / "serve" / "app.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    from clarifier.serving.app import app_builder, build_app
-
-    assert mod.app_builder is app_builder and mod.build_app is build_app
-
-
-# ---- live server -------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def model_folder(tmp_path_factory) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from tinymodel import build_tiny_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def model_folder(tiny_model_dir, tmp_path_factory) -> Path:
+    from support.adapters import untrained_adapter
 
-    from clarifier.engine.inference import ModelMeta, write_meta
-
-    root = tmp_path_factory.mktemp("serving")
-    base = build_tiny_model(root / "tiny")
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    folder = root / "adapter"
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
-    write_meta(folder, ModelMeta(base_model=str(base), threshold=0.0))
-    return folder
+    return untrained_adapter(tiny_model_dir, tmp_path_factory.mktemp("serving") / "adapter", threshold=0.0)
 
 
 @pytest.fixture(scope="module")
 def server(model_folder):
-    import ray
-    from ray import serve
-
     from clarifier.serving.app import run_local
+    from support.ray import start_ray
 
-    import os
-
-    old = os.environ.get("CLARIFIER_API_KEYS")
-    os.environ["CLARIFIER_API_KEYS"] = f"{KEY}, {OTHER_KEY}"  # read by build_app, in this process
-    RAY_METRICS["port"] = _free_port()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=RAY_METRICS["port"])
-    try:
-        cfg = ServeConfig(model_uri=str(model_folder), port=_free_port(), max_new_tokens=12,
+    RAY_METRICS["port"] = free_port()
+    with pytest.MonkeyPatch.context() as mp, start_ray(4, _metrics_export_port=RAY_METRICS["port"]):
+        mp.setenv("CLARIFIER_API_KEYS", f"{KEY}, {OTHER_KEY}")  # read by build_app, in this process
+        cfg = ServeConfig(model_uri=str(model_folder), port=free_port(), max_new_tokens=12,
                           max_history_turns=MAX_HISTORY, max_chars=MAX_CHARS, max_batch_size=8,
                           batch_wait_timeout_s=0.05, max_batch_requests=MAX_BATCH, cpus_per_replica=0.5)
-        url = run_local(cfg, ready_timeout_s=120)
-        yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        if old is None:
-            os.environ.pop("CLARIFIER_API_KEYS", None)
-        else:
-            os.environ["CLARIFIER_API_KEYS"] = old
+        yield run_local(cfg, ready_timeout_s=120)
 
 
 def _post(url, body, timeout=60, headers=AUTH, path="/v1/clarify"):
     return httpx.post(f"{url}{path}", json=body, timeout=timeout, headers=headers)
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_clarify_returns_full_response(server, model_folder):
     r = _post(server, {"history": HISTORY, "query": "how do I close it?", "passages": PASSAGES})
@@ -159,7 +76,6 @@ def test_clarify_returns_full_response(server, model_folder):
         assert resp.needs_clarification is True and resp.question
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_invalid_bodies_are_422_naming_the_field(server):
     r = _post(server, {"history": HISTORY})
@@ -171,7 +87,6 @@ def test_invalid_bodies_are_422_naming_the_field(server):
     assert r.status_code == 422 and "unexpected" in r.text
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_limits_are_413_naming_the_limit(server):
     turns = [{"role": "user", "text": f"turn {i}"} for i in range(MAX_HISTORY + 1)]
@@ -185,7 +100,6 @@ def test_limits_are_413_naming_the_limit(server):
     assert d["limit"] == "max_chars" and d["value"] == MAX_CHARS + 4
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_health_ready_and_docs(server, model_folder):
     assert httpx.get(f"{server}/healthz").status_code == 200
@@ -196,20 +110,18 @@ def test_health_ready_and_docs(server, model_folder):
     assert httpx.get(f"{server}/docs").status_code == 200
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_concurrent_requests_are_batched_and_all_succeed(server):
     bodies = [{"history": HISTORY, "query": f"how do I close it? ({i})", "passages": PASSAGES} for i in range(8)]
-    t0 = time.time()
+    # Each request has its own 120 s timeout; no wall-clock bound on the whole burst (on a loaded
+    # 2-core box that measures the box). What matters: all 8 at once are answered, each in full.
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda b: _post(server, b, timeout=120), bodies))
     assert [r.status_code for r in results] == [200] * 8, [r.text for r in results if r.status_code != 200]
     for r in results:
         ClarifyResponse.model_validate(r.json())
-    assert time.time() - t0 < 120
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_client_against_server(server, model_folder):
     from clarifier.client import ClarifierAPIError, ClarifierClient
@@ -228,14 +140,13 @@ def test_client_against_server(server, model_folder):
         assert ei.value.status == 413 and ei.value.detail["limit"] == "max_history_turns"
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_engine_errors_are_500_without_internals_and_slow_model_is_not_ready(server):
     import asyncio
 
     from ray import serve
 
-    from clarifier.serving.app import ClarifierIngress
+    from clarifier.serving.ingress import ClarifierIngress
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class BrokenModel:  # defined in the test so it is pickled by value
@@ -260,67 +171,9 @@ def test_engine_errors_are_500_without_internals_and_slow_model_is_not_ready(ser
         serve.delete("broken")
 
 
-# ---- config -> Serve options (no Ray) --------------------------------------------------------------
-
-
-def test_deployment_options_from_config():
-    from clarifier.serving.app import deployment_options
-
-    cfg = ServeConfig(max_ongoing_requests=2, max_batch_size=4, max_queued_requests=6, cpus_per_replica=2,
-                      gpus_per_replica=1, num_replicas=3)
-    model, ingress = deployment_options(cfg, {"AWS_REGION": "eu-west-1"})
-    assert model["max_ongoing_requests"] == 4  # raised to max_batch_size
-    assert model["max_queued_requests"] == 6 and model["num_replicas"] == 3
-    assert model["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1,
-                                          "runtime_env": {"env_vars": {"AWS_REGION": "eu-west-1"}}}
-    assert "autoscaling_config" not in model and ingress["num_replicas"] == 1
-    assert ingress["ray_actor_options"]["num_cpus"] == 0
-    assert ingress["max_ongoing_requests"] >= 4 * 3 + 6  # the ingress can hold what the model side can
-
-    auto = ServeConfig.model_validate({"autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 2,
-                                                       "target_ongoing_requests": 3, "upscale_delay_s": 1,
-                                                       "downscale_delay_s": 5}})
-    model, ingress = deployment_options(auto)
-    assert "num_replicas" not in model and "ray_actor_options" in model
-    a = model["autoscaling_config"]
-    assert (a["min_replicas"], a["max_replicas"], a["target_ongoing_requests"], a["upscale_delay_s"],
-            a["downscale_delay_s"]) == (1, 2, 3, 1, 5)
-    assert ingress["autoscaling_config"]["max_replicas"] == 2
-    from ray.serve.config import AutoscalingConfig
-
-    AutoscalingConfig(**a)  # Serve accepts it
-    AutoscalingConfig(**ingress["autoscaling_config"])
-    with pytest.raises(ConfigError, match="max_replicas"):
-        from clarifier.serving.app import parse_app_args
-
-        parse_app_args({"autoscaling.enabled": "true", "autoscaling.min_replicas": "3", "autoscaling.max_replicas": "2"})
-
-
-@pytest.mark.parametrize("source", ["serve/serve_config.yaml", "infra/k8s/rayservice.yaml"])
-def test_deploy_configs_autoscaling_matches_their_args(source):
-    """The Serve-level ClarifierModel override (what Serve applies) equals what the app args build."""
-    from clarifier.serving.app import autoscaling_config, deployment_options, parse_app_args
-
-    doc = yaml.safe_load((REPO / source).read_text())
-    if doc.get("kind") == "RayService":
-        doc = yaml.safe_load(doc["spec"]["serveConfigV2"])
-    (app,) = [a for a in doc["applications"] if a["import_path"] == "clarifier.serving.app:app_builder"]
-    cfg, _ = parse_app_args(app["args"])
-    assert cfg.autoscaling.enabled, f"{source}: args.autoscaling.enabled should be true"
-    (model,) = [d for d in app["deployments"] if d["name"] == "ClarifierModel"]
-    expected = autoscaling_config(cfg)
-    assert model["autoscaling_config"] == expected, f"{source}: deployments autoscaling_config != args.autoscaling"
-    opts, _ = deployment_options(cfg)
-    for key in ("max_ongoing_requests", "max_queued_requests"):
-        assert model[key] == opts[key], f"{source}: deployments.{key} != what the args build"
-    # ray_actor_options stay in code (an override would replace the forwarded runtime_env)
-    assert "ray_actor_options" not in model
-
-
 # ---- API keys, batch endpoint, metrics ------------------------------------------------------------
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_api_keys_are_required_and_never_echoed(server):
     body = {"history": HISTORY, "query": "how do I close it?"}
@@ -347,7 +200,6 @@ def test_api_keys_are_required_and_never_echoed(server):
     assert httpx.get(f"{server}/readyz", timeout=30).status_code == 200
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_batch_endpoint(server, model_folder):
     bodies = [{"history": HISTORY, "query": "how do I close it?", "passages": PASSAGES},
@@ -396,7 +248,6 @@ def _value(samples: dict, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_metrics_counters_move(server):
     before = _samples(httpx.get(f"{server}/metrics", headers=AUTH).text)
@@ -428,7 +279,6 @@ def test_metrics_counters_move(server):
         assert delta("clarifier_invalid_outputs_total") >= 1
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_client_batch_and_auth(server, model_folder):
     from clarifier.client import ClarifierAPIError, ClarifierClient
@@ -444,7 +294,6 @@ def test_client_batch_and_auth(server, model_folder):
         assert c.clarify([], "hello?").model_version == str(model_folder)
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_ray_metrics_endpoint_exports_clarifier_metrics(server):
     """The cluster-wide view: Ray's metrics agent exports both deployments' clarifier_* metrics."""

@@ -4,18 +4,14 @@ small delays; every request still succeeds. Marked ``slow`` (a minute or two on 
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (tinymodel)
-
-from clarifier.core.config import ServeConfig  # noqa: E402
-from clarifier.runtime.services import free_port  # noqa: E402
+from clarifier.core.config import ServeConfig
+from clarifier.runtime.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -37,13 +33,11 @@ def wait_for(pred, timeout_s: float, what: str, interval_s: float = 0.5):
 
 @pytest.mark.timeout(600)
 def test_replicas_scale_up_under_load_and_back_down(tiny_model_dir, tmp_path):
-    import ray
-    from ray import serve
-
     from clarifier.serving.app import APP_NAME, run_local
-    from test_serving_lifecycle import make_adapter
+    from support.adapters import untrained_adapter
+    from support.ray import start_ray
 
-    folder = make_adapter(tiny_model_dir, tmp_path / "adapter", seed=5, threshold=0.0)  # generation path: slow-ish
+    folder = untrained_adapter(tiny_model_dir, tmp_path / "adapter", seed=5, threshold=0.0)  # generation path: slow-ish
     cfg = ServeConfig.model_validate({
         "model_uri": str(folder), "port": free_port(), "max_new_tokens": 48, "cpus_per_replica": 0.5,
         "max_ongoing_requests": 2, "max_batch_size": 2, "max_queued_requests": -1,
@@ -51,34 +45,29 @@ def test_replicas_scale_up_under_load_and_back_down(tiny_model_dir, tmp_path):
                         "upscale_delay_s": 1, "downscale_delay_s": 4, "look_back_period_s": 2,
                         "metrics_interval_s": 0.5},
     })
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     stop = threading.Event()
     codes: list = []
-    threads: list = []
-    try:
-        url = run_local(cfg, ready_timeout_s=180)
-        assert running_replicas(APP_NAME) == 1
-
-        def client(i):
-            with httpx.Client(timeout=120) as http:
-                while not stop.is_set():
-                    try:
-                        codes.append(http.post(f"{url}/v1/clarify", json={"query": f"which one? {i}"}).status_code)
-                    except httpx.HTTPError as exc:
-                        codes.append(repr(exc))
-
-        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(6)]
-        for t in threads:
-            t.start()
-        wait_for(lambda: running_replicas(APP_NAME) == 2, 240, "a second ClarifierModel replica under load")
-        stop.set()
-        for t in threads:
-            t.join(120)
-        wait_for(lambda: running_replicas(APP_NAME) == 1, 240, "scale-down to 1 replica after the load")
-        assert codes and all(c == 200 for c in codes), [c for c in codes if c != 200][:5]
-    finally:
-        stop.set()
+    with start_ray(4):
         try:
-            serve.shutdown()
+            url = run_local(cfg, ready_timeout_s=180)
+            assert running_replicas(APP_NAME) == 1
+
+            def client(i):
+                with httpx.Client(timeout=120) as http:
+                    while not stop.is_set():
+                        try:
+                            codes.append(http.post(f"{url}/v1/clarify", json={"query": f"which one? {i}"}).status_code)
+                        except httpx.HTTPError as exc:
+                            codes.append(repr(exc))
+
+            threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(6)]
+            for t in threads:
+                t.start()
+            wait_for(lambda: running_replicas(APP_NAME) == 2, 240, "a second ClarifierModel replica under load")
+            stop.set()
+            for t in threads:
+                t.join(120)
+            wait_for(lambda: running_replicas(APP_NAME) == 1, 240, "scale-down to 1 replica after the load")
+            assert codes and all(c == 200 for c in codes), [c for c in codes if c != 200][:5]
         finally:
-            ray.shutdown()
+            stop.set()

@@ -19,7 +19,6 @@ import asyncio
 import os
 import signal
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,11 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (tinymodel)
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_serving_lifecycle.make_adapter
-
-from clarifier.core.config import ServeConfig  # noqa: E402
-from clarifier.runtime.services import free_port  # noqa: E402
+from clarifier.core.config import ServeConfig
+from clarifier.runtime.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability, pytest.mark.slow]
 
@@ -48,23 +44,12 @@ PROXY_CLASS = "ProxyActor"
 @pytest.fixture(scope="module")
 def ray_serve():
     """This module's own Ray instance, with a dashboard (Ray's state API needs it) on a free port."""
-    import ray
-    from ray import serve
+    from support.ray import start_ray
 
-    keys = os.environ.pop("CLARIFIER_API_KEYS", None)  # these deployments run without API keys
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_port=free_port(),
-             log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            if keys is not None:
-                os.environ["CLARIFIER_API_KEYS"] = keys
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("CLARIFIER_API_KEYS", raising=False)  # these deployments run without API keys
+        with start_ray(4, dashboard=True, dashboard_port=free_port()) as ray:
+            yield ray.get_runtime_context().gcs_address
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +61,9 @@ def port() -> int:
 @pytest.fixture(scope="module")
 def generating_adapter(tiny_model_dir, tmp_path_factory) -> Path:
     """Threshold 0: every request takes the generation path (tens of ms on the tiny model)."""
-    from test_serving_lifecycle import make_adapter
+    from support.adapters import untrained_adapter
 
-    return make_adapter(tiny_model_dir, tmp_path_factory.mktemp("faults") / "adapter", seed=11, threshold=0.0)
+    return untrained_adapter(tiny_model_dir, tmp_path_factory.mktemp("faults") / "adapter", seed=11, threshold=0.0)
 
 
 def alive_actors(gcs_address: str, class_name: str) -> dict[str, int]:
@@ -253,12 +238,13 @@ def test_model_replica_killed_under_steady_load(generating_adapter, ray_serve, p
 
 
 async def _send(http: httpx.AsyncClient, url: str, i: int, out: list) -> None:
+    """Appends (status code or the exception, latency, response, time sent)."""
     t0 = time.perf_counter()
     try:
         r = await http.post(f"{url}/v1/clarify", json={"history": HISTORY, "query": f"how do I reset it? {i}"})
-        out.append((r.status_code, time.perf_counter() - t0, r))
+        out.append((r.status_code, time.perf_counter() - t0, r, t0))
     except httpx.HTTPError as exc:  # a timeout or a connection error: what the test is about
-        out.append((repr(exc), time.perf_counter() - t0, None))
+        out.append((repr(exc), time.perf_counter() - t0, None, t0))
 
 
 def open_loop(url: str, rate: float, n: int, out: list, on_sent=None) -> float:
@@ -311,16 +297,6 @@ def rss_mib(pids: dict[str, int]) -> dict[str, float]:
     return {name: psutil.Process(pid).memory_info().rss / 2**20 for name, pid in pids.items()}
 
 
-def router_max_backoff_s() -> float:
-    """Serve's router retries a full replica with exponential backoff capped at this many seconds."""
-    try:
-        from ray.serve._private.constants import RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S
-
-        return float(RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S)
-    except ImportError:  # pragma: no cover - moved in another Ray version
-        return 0.5
-
-
 @pytest.mark.timeout(600)
 def test_overload_at_3x_capacity_and_memory_flat_over_10k_requests(generating_adapter, ray_serve, port,
                                                                      reliability):
@@ -358,12 +334,12 @@ def test_overload_at_3x_capacity_and_memory_flat_over_10k_requests(generating_ad
     try:
         # unloaded latency: one request at a time
         unloaded = closed_loop(url, 1, seconds=4.0, on_sent=count)
-        assert all(s == 200 for s, _, _ in unloaded), [s for s, _, _ in unloaded if s != 200][:5]
-        l0 = statistics.median(lat for _, lat, _ in unloaded)
+        assert all(s == 200 for s, *_ in unloaded), [s for s, *_ in unloaded if s != 200][:5]
+        l0 = statistics.median(lat for _, lat, *_ in unloaded)
         # capacity: answers/s with the replica saturated (a client always waiting in the queue)
         t = time.perf_counter()
         sat = closed_loop(url, ongoing + 1, seconds=8.0, on_sent=count)
-        capacity = sum(1 for s, _, _ in sat if s == 200) / (time.perf_counter() - t)
+        capacity = sum(1 for s, *_ in sat if s == 200) / (time.perf_counter() - t)
         assert capacity > 0
 
         # overload: 3x capacity, open loop, for overload_s
@@ -384,19 +360,19 @@ def test_overload_at_3x_capacity_and_memory_flat_over_10k_requests(generating_ad
     growth = {name: end[name] - base[name] for name in pids}
 
     everything = unloaded + sat + over + soak
-    errors = [s for s, _, _ in everything if not isinstance(s, int)]
-    other = [s for s, _, _ in everything if isinstance(s, int) and s not in (200, 503)]
-    ok = [lat for s, lat, _ in over if s == 200]
-    rejected = [(lat, r) for s, lat, r in over if s == 503]
+    errors = [s for s, *_ in everything if not isinstance(s, int)]
+    other = [s for s, *_ in everything if isinstance(s, int) and s not in (200, 503)]
+    ok = [lat for s, lat, *_ in over if s == 200]
+    rejected = [(lat, r) for s, lat, r, _ in over if s == 503]
     rej_lat = [lat for lat, _ in rejected]
     p99_ok, p50_503, p99_503 = pct(ok, 0.99), pct(rej_lat, 0.5), pct(rej_lat, 0.99)
-    n_ok_all = sum(1 for s, _, _ in everything if s == 200)
+    n_ok_all = sum(1 for s, *_ in everything if s == 200)
     trend = [(k, r) for i, (k, r) in enumerate(samples) if i % max(1, len(samples) // 6) == 0] + [samples[-1]]
     print(f"\noverload: unloaded p50 {1000 * l0:.0f} ms; capacity {capacity:.1f} answers/s; offered "
           f"{rate:.1f}/s (achieved {achieved:.1f}/s) for {over_s:.0f} s: {len(ok)} answered "
           f"(p50 {1000 * pct(ok, 0.5):.0f} ms, p99 {1000 * p99_ok:.0f} ms, {len(ok) / over_s:.1f}/s), "
           f"{len(rejected)} 503 (p50 {1000 * p50_503:.0f} ms, p99 {1000 * p99_503:.0f} ms); soak "
-          f"{len(soak)} requests ({sum(1 for s, _, _ in soak if s == 200)} answered); "
+          f"{len(soak)} requests ({sum(1 for s, *_ in soak if s == 200)} answered); "
           f"{len(errors)} errors, {len(other)} other statuses over {len(everything)} requests")
     print("RSS MiB by requests sent: " + "; ".join(
         f"{k}: " + ", ".join(f"{v:.0f}" for v in r.values()) for k, r in trend) + f"  ({', '.join(pids)})")
@@ -415,31 +391,33 @@ def test_overload_at_3x_capacity_and_memory_flat_over_10k_requests(generating_ad
     assert not errors, errors[:5]
     assert not other, other[:5]
     assert len(everything) >= total
-    assert achieved >= 2.5 * capacity, f"the load generator fell behind: {achieved:.1f}/s"
-    # it keeps answering (the CPU it loses goes to turning away twice as many requests)
-    assert len(ok) >= 0.3 * capacity * over_s, "the replica stopped answering under overload"
-    assert len(rejected) >= 0.3 * len(over), "3x capacity should be turned away in good part"
+    # What follows asserts behaviour, or bounds far from the failure they rule out: capacity, the
+    # offered rate and every latency here are measured on a 2-core box that other work may load at
+    # any moment, so ratios between them (measured minutes apart) would test the box.
+    # It was overloaded and turned requests away: 2/3 of them at exactly 3x capacity; a tenth
+    # still holds if the capacity measured before was off by 2x.
+    assert len(rejected) >= 0.1 * len(over), "the load at 3x capacity was hardly turned away"
     for _, r in rejected[:50]:
         d = r.json()["detail"]
         assert d["limit"] == "max_queued_requests" and d["max"] == queued and r.headers["retry-after"] == "1", d
+    # It kept answering throughout (the CPU it loses goes to turning away twice as many requests):
+    # requests sent in each third of the overload window were answered.
+    first, last = min(t for *_, t in over), max(t for *_, t in over)
+    thirds = {min(2, int(3 * (t - first) / (last - first))) for s, *_, t in over if s == 200}
+    assert thirds == {0, 1, 2}, f"answers only for requests sent in thirds {sorted(thirds)} of the overload"
     # Accepted latency is bounded by the queue limit, not by the offered load: an accepted request
-    # waits behind at most `ongoing` running + `queued` waiting requests and then runs, so at most
-    # (1 + ongoing + queued) = 4 service times, each at most the unloaded latency l0 -- stretched
-    # up to 3x because under overload the 2 cores are shared with the load generator and with the
-    # proxy and ingress turning away 2/3 of the traffic. A waiting request does not learn that
-    # the replica freed up: Serve's router re-polls it with exponential backoff capped at 0.5 s,
-    # and not in arrival order (a fresh request polls sooner), so allow two such polls on top.
-    # An unbounded queue would instead grow with the run: at 3x for 30 s, a backlog of ~60 s.
-    bound = (1 + ongoing + queued) * 3 * l0 + 2 * router_max_backoff_s()
-    assert p99_ok <= bound, f"accepted p99 {p99_ok:.3f}s > {bound:.3f}s"
-    # A 503 is decided in the ingress before any model work (no queueing, no generation), so it
-    # costs only the HTTP + Serve overhead that l0 also contains: the typical one takes under half
-    # an unloaded answer. Its p99 stays within 2 unloaded answers, with a floor of 1 s because on
-    # 2 cores shared with a replica generating flat out (and, here, the load generator) a process
-    # can wait for a CPU for some hundreds of ms at the tail -- a request that was queued instead
-    # of turned away would wait 4 service times or more at every percentile, not just the tail.
-    assert p50_503 <= 0.5 * l0, f"503 p50 {p50_503:.3f}s > half the unloaded p50 {l0:.3f}s"
-    assert p99_503 <= max(2 * l0, 1.0), f"503 p99 {p99_503:.3f}s"
+    # waits behind at most `ongoing` running + `queued` waiting requests and then runs (plus Serve's
+    # router re-polling a full replica, backoff capped at 0.5 s): about a second here. An unbounded
+    # queue would instead grow with the run: at 3x for 30 s, a backlog of ~60 s. The bound, a third
+    # of the overload window, lies far from both.
+    assert p99_ok <= overload_s / 3, f"accepted p99 {p99_ok:.3f}s: requests queue beyond the limit"
+    # A 503 is decided in the ingress before any model work (no queueing, no generation): compared
+    # with the answers of the same window (same load on the box), the typical one takes under half
+    # an accepted answer, and even its tail is no slower than theirs (1 s floor: at the tail, a
+    # process on 2 cores shared with a replica generating flat out can wait for a CPU that long).
+    p50_ok = pct(ok, 0.5)
+    assert p50_503 <= 0.5 * p50_ok, f"503 p50 {p50_503:.3f}s > half the accepted p50 {p50_ok:.3f}s"
+    assert p99_503 <= max(p99_ok, 1.0), f"503 p99 {p99_503:.3f}s > accepted p99 {p99_ok:.3f}s"
     # Memory flat: from the warm-up point to the end (~8,000 requests) each process grows by less
     # than 5 % or 25 MiB, whichever is larger; a leak of 4 KiB per request would exceed it.
     for name in pids:

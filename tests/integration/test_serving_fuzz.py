@@ -18,19 +18,13 @@ the schema only exists once the server fixture is up, and schemathesis' lazy pyt
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
+import schemathesis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (tinymodel)
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_serving_lifecycle.make_adapter
-
-import schemathesis  # noqa: E402
-
-from clarifier.core.config import ServeConfig  # noqa: E402
-from clarifier.runtime.services import free_port  # noqa: E402
+from clarifier.core.config import ServeConfig
+from clarifier.runtime.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]
 
@@ -44,28 +38,17 @@ CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conform
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    import ray
-    from ray import serve
-
     from clarifier.serving.app import run_local
-    from test_serving_lifecycle import make_adapter
+    from support.adapters import untrained_adapter
+    from support.ray import start_ray
 
     # threshold 0: every answer goes through generation and the output parser, the paths odd input
     # is most likely to break; a few tokens keep each request quick
-    folder = make_adapter(tiny_model_dir, tmp_path_factory.mktemp("fuzz") / "adapter", seed=13, threshold=0.0)
-    if ray.is_initialized():
-        ray.shutdown()
-    with pytest.MonkeyPatch.context() as mp:
+    folder = untrained_adapter(tiny_model_dir, tmp_path_factory.mktemp("fuzz") / "adapter", seed=13, threshold=0.0)
+    with pytest.MonkeyPatch.context() as mp, start_ray(4):
         mp.setenv("CLARIFIER_API_KEYS", KEY)  # read by build_app, in this process
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-        try:
-            cfg = ServeConfig(model_uri=str(folder), port=free_port(), max_new_tokens=8, cpus_per_replica=0.5)
-            yield run_local(cfg, ready_timeout_s=240)
-        finally:
-            try:
-                serve.shutdown()
-            finally:
-                ray.shutdown()
+        cfg = ServeConfig(model_uri=str(folder), port=free_port(), max_new_tokens=8, cpus_per_replica=0.5)
+        yield run_local(cfg, ready_timeout_s=240)
 
 
 @pytest.fixture(scope="module")

@@ -9,42 +9,22 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (tinymodel)
-
-from clarifier.core.config import ServeConfig  # noqa: E402
-from clarifier.runtime.services import free_port  # noqa: E402
+from clarifier.core.config import ServeConfig
+from clarifier.runtime.services import free_port
+from support.adapters import untrained_adapter
 
 pytestmark = pytest.mark.integration
 
 NAME = "lifecycle-clarifier"
 HISTORY = [{"role": "user", "text": "I have a router and a modem."},
            {"role": "assistant", "text": "Which one is acting up?"}]
-
-
-def make_adapter(base: Path, out: Path, seed: int, threshold: float) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from clarifier.engine.inference import ModelMeta, write_meta
-
-    torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)
-    write_meta(out, ModelMeta(base_model=str(base), threshold=threshold))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +40,7 @@ def registered(tiny_model_dir, mlflow_server, tmp_path_factory):
     versions = []
     for i in (1, 2):
         # threshold 1.0: every request takes the fast path (decision pass only) -- quick answers
-        folder = make_adapter(tiny_model_dir, root / f"adapter-v{i}", seed=i, threshold=1.0)
+        folder = untrained_adapter(tiny_model_dir, root / f"adapter-v{i}", seed=i, threshold=1.0)
         with mlflow.start_run(run_name=f"v{i}") as run:
             mlflow.log_artifacts(str(folder), "adapter")
         mv = register_adapter(run.info.run_id, NAME, alias="champion" if i == 1 else None, tracking_uri=mlflow_server)
@@ -70,23 +50,12 @@ def registered(tiny_model_dir, mlflow_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_serve(tmp_path_factory):
-    import ray
-    from ray import serve
+    from support.ray import start_ray
 
-    old = os.environ.get("CLARIFIER_CACHE")
-    os.environ["CLARIFIER_CACHE"] = str(tmp_path_factory.mktemp("cache"))  # forwarded to the replicas
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            if old is None:
-                os.environ.pop("CLARIFIER_CACHE", None)
-            else:
-                os.environ["CLARIFIER_CACHE"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CLARIFIER_CACHE", str(tmp_path_factory.mktemp("cache")))  # forwarded to the replicas
+        with start_ray(4):
+            yield
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +128,7 @@ def test_overload_gives_503_naming_the_limit_not_timeouts(tiny_model_dir, tmp_pa
     from clarifier.serving.app import run_local
 
     # threshold 0 and a long generation: every request holds the single model slot for a while
-    folder = make_adapter(tiny_model_dir, tmp_path / "slow-adapter", seed=3, threshold=0.0)
+    folder = untrained_adapter(tiny_model_dir, tmp_path / "slow-adapter", seed=3, threshold=0.0)
     cfg = ServeConfig(model_uri=str(folder), port=port, max_new_tokens=160, max_ongoing_requests=1,
                       max_batch_size=1, max_queued_requests=1, cpus_per_replica=0.5)
     url = run_local(cfg, ready_timeout_s=180)
@@ -195,7 +164,7 @@ def test_default_queue_policy_sheds_by_the_latency_budget(tiny_model_dir, tmp_pa
     naming latency_budget_s with a Retry-After; what is admitted is answered (200), nothing times out."""
     from clarifier.serving.app import run_local
 
-    folder = make_adapter(tiny_model_dir, tmp_path / "budget-adapter", seed=4, threshold=0.0)
+    folder = untrained_adapter(tiny_model_dir, tmp_path / "budget-adapter", seed=4, threshold=0.0)
     cfg = ServeConfig(model_uri=str(folder), port=port, max_new_tokens=64, max_ongoing_requests=1,
                       max_batch_size=1, cpus_per_replica=0.5, latency_budget_s=0.5)
     assert cfg.max_queued_requests is None  # the default: admission from the latency budget

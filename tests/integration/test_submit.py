@@ -4,12 +4,6 @@ its own processes stopped: never ``ray stop``, which would kill every Ray instan
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,74 +12,14 @@ import pytest
 pytestmark = [pytest.mark.integration]
 
 
-def _own_pids(marker: str) -> list[int]:
-    """Processes whose command line names our head's unique temp dir (only ours can)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if marker in (d / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-    return pids
-
-
 @pytest.fixture(scope="module")
 def ray_head(s3_server):
     """A real `ray start --head`; like a cluster node it has its own S3 endpoint and credentials
     (from the environment it was started in), which submitted jobs use without shipping them."""
-    from clarifier.runtime.services import free_port
+    from support.ray import start_cluster
 
-    port, dash = free_port(), free_port()
-    tmp = tempfile.mkdtemp(prefix="clrh-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    # Ray 2.60 turns token auth on for a new head when ~/.ray/auth_token exists (machine-wide state);
-    # this test head is explicitly without it, so the test does not depend on that file.
-    env["RAY_AUTH_MODE"] = "disabled"
-    # As if started from an activated virtualenv: job entrypoints run `python` from the head's PATH.
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    ray_exe = str(Path(sys.executable).parent / "ray")
-    proc = subprocess.Popen(
-        [ray_exe, "start", "--head", f"--port={port}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
-         "--include-dashboard=true", "--num-cpus=4", f"--temp-dir={tmp}", "--block", "--disable-usage-stats"],
-        stdout=open(Path(tmp) / "head.log", "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{dash}"
-    try:
-        from ray.job_submission import JobSubmissionClient
-
-        deadline = time.time() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"ray start exited with {proc.returncode}: {(Path(tmp) / 'head.log').read_text()[-2000:]}")
-            try:
-                JobSubmissionClient(url).list_jobs()
-                break
-            except Exception:
-                if time.time() > deadline:
-                    raise
-                time.sleep(2)
-        yield url
-    finally:
-        # Stop exactly what we started: our process group, then anything still naming our temp dir.
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            for pid in _own_pids(tmp):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            time.sleep(2)
-            if proc.poll() is not None and not _own_pids(tmp):
-                break
-        shutil.rmtree(tmp, ignore_errors=True)
+    with start_cluster(num_cpus=4) as cluster:
+        yield cluster.url
 
 
 @pytest.mark.timeout(600)

@@ -27,11 +27,12 @@ def prepared(tiny_model_dir, ray_local, tmp_path_factory):
     from clarifier.core.config import build_config
     from clarifier.data.pipeline import prepare
     from clarifier.data.synthetic import write_logs
+    from support.config import tiny_lora
 
     root = tmp_path_factory.mktemp("resume")
     write_logs(str(root / "logs"), 40, seed=5, shards=1)
     base = [f"storage.root={root / 'store'}", f"data.input={root / 'logs'}", f"data.output={root / 'data'}", "data.formats=[jsonl]",
-            f"model.base_model={tiny_model_dir}", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]",
+            *tiny_lora(tiny_model_dir),
             "model.lora.dropout=0.1",  # dropout draws from the torch RNG: resume must restore it
             "train.num_workers=2", "train.micro_batch_size=2", "train.learning_rate=0.003", "train.warmup_steps=2",
             "train.max_steps=6", "train.checkpoint_every=2", "eval.calibration_split=null"]

@@ -15,11 +15,11 @@ def test_training_on_packed_blocks(tiny_model_dir, ray_local, mlflow_server, tmp
     from clarifier.data.pipeline import prepare
     from clarifier.data.synthetic import write_logs
     from clarifier.train.trainer import train
+    from support.config import tiny_lora
 
     write_logs(str(tmp_path / "logs"), 40, seed=8, shards=1)
     base = [f"storage.root={tmp_path / 'store'}", f"data.input={tmp_path / 'logs'}", f"data.output={tmp_path / 'data'}",
-            f"model.base_model={tiny_model_dir}", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]",
-            "data.packing.enabled=true", "data.packing.block_length=1024",
+            *tiny_lora(tiny_model_dir), "data.packing.enabled=true", "data.packing.block_length=1024",
             "train.num_workers=2", "train.micro_batch_size=1", "train.max_steps=3", "train.warmup_steps=1",
             "train.decision_loss.kind=weighted", "train.experiment=packed", "eval.calibration_split=null"]
     manifest = prepare(build_config({}, base), progress=lambda m: None)

@@ -10,19 +10,8 @@ import pytest
 pytestmark = [pytest.mark.integration]
 
 
-@pytest.fixture(scope="module")
-def ray_with_s3(s3_server, mlflow_server):
-    import ray
-
-    from clarifier.runtime.cluster import init_ray
-
-    init_ray(num_cpus=4)  # after s3_server: the workers get its endpoint and test credentials
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.timeout(900)
-def test_checkpoints_go_to_s3_and_a_killed_worker_resumes_from_there(ray_with_s3, s3_server, s3_bucket, tiny_model_dir,
+def test_checkpoints_go_to_s3_and_a_killed_worker_resumes_from_there(ray_local, s3_server, s3_bucket, tiny_model_dir,
                                                                       tmp_path):
     import boto3
     from mlflow import MlflowClient
@@ -31,13 +20,13 @@ def test_checkpoints_go_to_s3_and_a_killed_worker_resumes_from_there(ray_with_s3
     from clarifier.data.pipeline import prepare
     from clarifier.data.synthetic import write_logs
     from clarifier.train.trainer import train
+    from support.config import tiny_lora
     from support.faults import ExitOnceAt
 
     write_logs(str(tmp_path / "logs"), 30, seed=5, shards=1)
     cfg = build_config({}, [
         f"storage.root=s3://{s3_bucket}/store", f"data.input={tmp_path / 'logs'}", f"data.output=s3://{s3_bucket}/data",
-        "data.formats=[jsonl]", f"model.base_model={tiny_model_dir}", "model.lora.r=4",
-        "model.lora.target_modules=[q_proj,v_proj]", "train.num_workers=2", "train.micro_batch_size=2",
+        "data.formats=[jsonl]", *tiny_lora(tiny_model_dir), "train.num_workers=2", "train.micro_batch_size=2",
         "train.max_steps=4", "train.checkpoint_every=2", "train.max_failures=1",
         "train.run_name=s3run", "train.experiment=resume-s3", "eval.calibration_split=null"])
     prepare(cfg, progress=lambda m: None)

@@ -1,1 +1,1 @@
-"""Helpers shared by the tests (importable as ``support``)."""
+"""Helpers shared by the test modules (importable as ``support``: pyproject's pytest ``pythonpath``)."""

@@ -8,7 +8,6 @@ from collections import Counter
 from importlib.metadata import EntryPoint
 
 import pytest
-from conftest import SHARED
 
 from clarifier.data import importers
 from clarifier.data.importers import available_importers, get_importer, import_dataset, iter_dataset
@@ -16,8 +15,8 @@ from clarifier.data.importers.claqua import fill_template
 from clarifier.data.importers.pacific import render_answer
 from clarifier.data.validate import parse_line
 from clarifier.core.schema import Example
+from support.paths import PUBLIC
 
-PUBLIC = SHARED / "data" / "public"
 pytestmark = pytest.mark.skipif(
     not PUBLIC.is_dir(), reason=f"public datasets not found at {PUBLIC} (../shared beside the repository)"
 )
@@ -344,16 +343,3 @@ def test_cli_import_single_file(tmp_path):
     assert r.exit_code == 0, r.output
     assert len(out.read_text().splitlines()) == 1092
     assert json.loads((tmp_path / "abg.import-report.json").read_text())["clarify"] == 130
-
-
-def test_export_to_s3_prefix(s3_bucket):
-    from clarifier.runtime import storage
-    from clarifier.data.importers.export import export_dataset
-
-    out = f"s3://{s3_bucket}/public/claqua"
-    report = export_dataset("claqua", PUBLIC / "claqua", out, {"variants": "single-turn", "splits": "dev"})
-    assert report["examples"] == 853 and report["clarify"] == 431 and report["skipped"] == 0
-    files = storage.list_files(out)
-    assert files == [f"{out}/claqua-dev.jsonl", f"{out}/claqua-import-report.json"]
-    lines = storage.read_text(f"{out}/claqua-dev.jsonl").splitlines()
-    assert len(lines) == 853 and Example.model_validate_json(lines[0]).id == "claqua-single-turn-dev-t1-1"

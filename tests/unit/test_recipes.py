@@ -8,14 +8,12 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from conftest import SHARED
 from clarifier.core.config import ConfigError, build_config
 from clarifier.data.sources import OWNER_FILE, cap_by_conversation, materialize_sources, source_of
 from clarifier.evaluation.error_analysis import ASKS_CLEAR, FORMAT, MISSED, OK, VAGUE, WRONG_ASPECT, analyse, decision_error, question_category
 from clarifier.core.metrics import Prediction, recall_at_over_asking
 from clarifier.core.schema import Example, Turn
-
-PUBLIC = SHARED / "data" / "public"
+from support.paths import PUBLIC
 
 
 def ex(i, conv, clarify=False, q=None, query="how do I reset it?", history=()):

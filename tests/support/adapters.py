@@ -1,0 +1,26 @@
+"""Untrained LoRA adapters on the tiny model: a servable, evaluable model folder in a second."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def untrained_adapter(base: Path, out: Path, threshold: float, seed: int = 0, r: int = 4) -> Path:
+    """A fresh LoRA adapter (q_proj, v_proj) on ``base`` with its tokenizer and ``clarifier.json``.
+
+    The threshold picks the path requests take: 1.0 the fast path (decision pass only), 0.0 always
+    generation (noise from an untrained model, which exercises the malformed-output fallback).
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from clarifier.engine.inference import ModelMeta, write_meta
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           LoraConfig(r=r, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    write_meta(out, ModelMeta(base_model=str(base), threshold=threshold))
+    return out
