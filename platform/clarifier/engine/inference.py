@@ -329,7 +329,7 @@ class ClarifierEngine:
         return out
 
     def predict(self, examples, batch_size: int = 8, threshold: float | None = None, progress=None):
-        """Evaluation predictions (``evaluation.metrics.Prediction``) for Examples, in order."""
+        """Evaluation predictions (``core.metrics.Prediction``) for Examples, in order."""
         from clarifier.core.metrics import Prediction
 
         preds = []

@@ -1,0 +1,1 @@
+"""Stage: evaluation (in process or Ray Data actors): ``evaluate.evaluate`` and its report."""
