@@ -300,8 +300,8 @@ def _print_table(table) -> None:
     out.print(table)
 
 
-def _fmt_num(v) -> str:
-    return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+def _fmt_num(v, digits: int = 4) -> str:
+    return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
 @models_app.command("rollback")
@@ -341,13 +341,9 @@ def models_list(name: str = typer.Argument("clarifier"),
         t.add_column(col, overflow="fold", justify="right" if col in ("F1", "over-ask", "validity") else "left")
     for v in versions:
         gates = ", ".join(f"{k}:{d}" for k, d in v["gates"].items())
-        t.add_row(v["version"], ", ".join(v["aliases"]) or "-", _fmt3(v["f1"]), _fmt3(v["over_asking_rate"]),
-                  _fmt3(v["validity"]), (v["eval_data"] or "-")[-40:], gates or "-", (v["run_id"] or "-")[:8])
+        t.add_row(v["version"], ", ".join(v["aliases"]) or "-", _fmt_num(v["f1"], 3), _fmt_num(v["over_asking_rate"], 3),
+                  _fmt_num(v["validity"], 3), (v["eval_data"] or "-")[-40:], gates or "-", (v["run_id"] or "-")[:8])
     _print_table(t)
-
-
-def _fmt3(v) -> str:
-    return "-" if v is None else f"{v:.3f}"
 
 
 @models_app.command("diff")

@@ -1,7 +1,7 @@
 """The data job: JSONL logs / evaluation-set files -> validated, split, tokenised Parquet + manifest.
 
     manifest = prepare(cfg)             # a Ray Data job; ray.init() is the caller's (or done here)
-    examples = load_split(cfg.data.output, "test")
+    examples = load_split(cfg.data.output, "test")   # clarifier.data.outputs: what later stages read
 
 Stages (all Ray Data, nothing but small counts is collected in the driver):
 
