@@ -34,7 +34,8 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
         "model": {"base_model": str(tiny_model_dir), "max_prompt_tokens": 512,
                   "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}},
         "train": {"num_workers": 1, "zero_stage": 2, "max_steps": 2, "micro_batch_size": 2, "warmup_steps": 1,
-                  "decision_loss": {"kind": "weighted", "clarify_weight": "auto"}, "experiment": "recipe-test"},
+                  "decision_loss": {"kind": "weighted", "clarify_weight": "auto"}, "experiment": "recipe-test",
+                  "balance": "source_class"},
         "eval": {"batch_size": 4, "max_new_tokens": 8, "semantic_encoder": None},
     }
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(recipe))
@@ -52,7 +53,7 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
                            progress=messages.append)
 
     # every row, scored on the same evaluation set, overall and per source
-    assert list(result["rows"]) == ["never_ask", "always_ask", "lexical", "zero_shot_tiny", "joint",
+    assert list(result["rows"]) == ["never_ask", "always_ask", "lexical", "source_only", "zero_shot_tiny", "joint",
                                     "joint_no_class_weighting"]
     by_source = result["eval_set"]["by_source"]
     assert set(by_source) == {"clariq", "pacific", "synthetic"} and all(v["n"] <= 5 for v in by_source.values())
@@ -62,10 +63,17 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
         assert m["all"]["n"] == n, name
         assert set(m) >= {"all", "clariq", "pacific", "synthetic"}
         assert set(m["all"]["recall_at_over_asking"]) == {"0.05", "0.1"}
+        assert set(m["all"]["within_source"]["by_source"]) == set(by_source), name
+    # the source-only control knows the source and nothing else: at chance inside every source
+    ctrl = result["rows"]["source_only"]["metrics"]["all"]["within_source"]
+    assert all(v["auroc"] in (0.5, None) for v in ctrl["by_source"].values())
+    # ... and the balanced training mix leaves it nothing to learn
+    assert result["train_mix"]["balance"] == "source_class" and result["train_mix"]["source_only_auroc"] == pytest.approx(0.5, abs=0.02)
+    assert result["train_mix"]["source_only_auroc_natural"] > 0.55
     assert result["rows"]["always_ask"]["metrics"]["all"]["decision"]["recall"] == 1.0
     zs = result["rows"]["zero_shot_tiny"]  # thresholded by the trained rows' calibration rule, on dev
     assert zs["threshold"] == zs["calibration"]["threshold"] and 0.0 <= zs["threshold"] <= 1.0
-    assert zs["calibration"]["rule"] == "max_f1" and zs["calibration"]["n"] > 0
+    assert zs["calibration"]["rule"] == "over_asking<=0.1" and zs["calibration"]["n"] > 0  # the product's default
     joint = result["rows"]["joint"]
     assert joint["steps"] == 2 and 0.0 <= joint["threshold"] <= 1.0
     client = MlflowClient()
@@ -96,7 +104,9 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     written = json.loads((tmp_path / "out" / "report.json").read_text())
     assert written["rows"].keys() == result["rows"].keys() and written["machine"]["cpus"]
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "## All rows, all sources" in md and "## Leave one dataset out" in md and "joint without clariq" in md
+    assert md.index("## Headline: inside each source") < md.index("## Mixed evaluation set")
+    assert "### At 10% over-asking" in md and "### Leave one dataset out" in md and "joint without clariq" in md
+    assert "Source-only control on the training mix (train.balance=source_class)" in md
     assert "| zero_shot_tiny | zero-shot |" in md
     assert result["benchmark"] == "recipe-plan" and md.startswith(f"# Recipe benchmark: plan (recipe {tmp_path / 'tiny.yaml'})")
     assert any("data job" in m for m in messages)

@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from clarifier.core.config import ConfigError, build_config
-from clarifier.data.sources import OWNER_FILE, cap_by_conversation, materialize_sources, source_of
+from clarifier.core.schema import source_of
+from clarifier.data.sources import OWNER_FILE, cap_by_conversation, materialize_sources
 from clarifier.evaluation.error_analysis import ASKS_CLEAR, FORMAT, MISSED, OK, VAGUE, WRONG_ASPECT, analyse, decision_error, question_category
 from clarifier.core.metrics import Prediction, recall_at_over_asking
 from clarifier.core.schema import Example, Turn

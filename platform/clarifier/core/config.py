@@ -217,6 +217,11 @@ class TrainConfig(_Strict):
     seed: int = 0
     loss_weights: LossWeights = LossWeights()
     decision_loss: DecisionLossConfig = DecisionLossConfig()
+    balance: Literal["none", "source_class"] = Field(
+        "none", description="The training mixture. none: every train row once per epoch; source_class: inside every "
+                            "source half the rows need a question and half are clear (minority class drawn again, "
+                            "majority subsampled, anew each epoch), so that which dataset a turn came from predicts "
+                            "nothing. Not with data.packing.")
     variant: Literal["joint", "pipeline"] = Field(
         "joint", description="joint: one adapter for decision+grounding+question; pipeline: three adapters "
                              "(when = decision, how = grounding, what = question) trained one after another.")
@@ -239,7 +244,10 @@ class EvalConfig(_Strict):
     split: str = "test"
     threshold: float = Field(0.5, ge=0, le=1, description="Decision threshold until calibrated.")
     calibration_split: str | None = Field("dev", description="Split used to calibrate the threshold after training; null = keep eval.threshold.")
-    max_over_asking: float | None = Field(None, ge=0, le=1, description="Calibrate for best recall within this over-asking budget instead of max F1.")
+    max_over_asking: float | None = Field(
+        0.10, ge=0, le=1, description="The operating point: calibrate the threshold on the calibration split for the best "
+                                      "recall asking about at most this share of clear turns (over-asking is the costliest "
+                                      "error); null = maximise F1 instead.")
     max_examples: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(48, ge=1)
     batch_size: int = Field(8, ge=1)

@@ -69,6 +69,9 @@ def decision_metrics(gold: Sequence[bool], pred: Sequence[bool]) -> dict:
     * ``over_asking_rate`` = fp / (fp + tn): share of gold-clear turns the model asked about.
     * ``under_asking_rate`` = fn / (fn + tp): share of gold-clarify turns it answered directly
       (``1 - recall`` whenever there is a gold-clarify turn).
+    * ``macro_f1`` = mean of the F1 of "clarify" and of "answer" (the ask-vs-answer figure published
+      papers report, e.g. CollabLLM on Abg-CoQA; their "accuracy on ambiguous / non-ambiguous turns"
+      is ``recall`` / ``1 - over_asking_rate``).
 
     Every ratio with a zero denominator is 0.0 (see module docstring); ``n == 0`` gives all zeros.
     """
@@ -86,10 +89,12 @@ def decision_metrics(gold: Sequence[bool], pred: Sequence[bool]) -> dict:
             tn += 1
     precision = _ratio(tp, tp + fp)
     recall = _ratio(tp, tp + fn)
+    f1 = _ratio(2 * precision * recall, precision + recall)
     return {
         "precision": precision,
         "recall": recall,
-        "f1": _ratio(2 * precision * recall, precision + recall),
+        "f1": f1,
+        "macro_f1": (f1 + _ratio(2 * tn, 2 * tn + fn + fp)) / 2,
         "accuracy": _ratio(tp + tn, tp + fp + fn + tn),
         "over_asking_rate": _ratio(fp, fp + tn),
         "under_asking_rate": _ratio(fn, fn + tp),
@@ -257,6 +262,79 @@ def recall_at_over_asking(gold: Sequence[bool], scores: Sequence[float], budget:
     return max(ok, default=0.0)
 
 
+def operating_point_at_over_asking(gold: Sequence[bool], scores: Sequence[float], budget: float) -> dict | None:
+    """Decision metrics at the best-recall threshold whose over-asking stays within ``budget``, chosen
+    on these very scores (threshold-free, like :func:`recall_at_over_asking`): ``threshold``,
+    ``recall``, ``precision``, ``f1``, ``over_asking_rate``. None without both classes."""
+    if not any(gold) or all(gold):
+        return None
+    t = pick_threshold(gold, scores, budget)
+    d = decision_metrics(gold, [float(s) >= t for s in scores])
+    return {"threshold": t, **{k: d[k] for k in ("recall", "precision", "f1", "over_asking_rate")}}
+
+
+def source_only_scores(train_sources: Sequence[str], train_gold: Sequence[bool], sources: Sequence[str]) -> list[float]:
+    """The *source-only control*: each turn scored by the clarify share of its source in the training
+    data (a source unseen there gets the overall share). Its AUROC on a mixed set is how much a
+    mixed figure can come from knowing which dataset a turn belongs to; within one source it is 0.5."""
+    _check_same_length(train_sources, train_gold, "train_sources", "train_gold")
+    pos: dict[str, int] = {}
+    tot: dict[str, int] = {}
+    for s, g in zip(train_sources, train_gold):
+        tot[s] = tot.get(s, 0) + 1
+        pos[s] = pos.get(s, 0) + (1 if g else 0)
+    overall = _ratio(sum(pos.values()), sum(tot.values()))
+    return [_ratio(pos[s], tot[s]) if s in tot else overall for s in sources]
+
+
+def source_only_auroc(sources: Sequence[str], gold: Sequence[bool]) -> float | None:
+    """AUROC of the source-only control fitted and scored on the same mix: 0.5 when every source has
+    the same clarify share (the source predicts nothing), higher the more the share differs."""
+    return auroc(gold, source_only_scores(sources, gold, sources))
+
+
+def source_only_auroc_from_counts(by_source: dict[str, dict]) -> float | None:
+    """:func:`source_only_auroc` from per-source counts ``{source: {"examples": n, "clarify": k}}``
+    (a data manifest's ``counts.splits.<split>.by_source``), without expanding them into rows."""
+    cells = [(_ratio(int(c["clarify"]), int(c["examples"])), int(c["clarify"]), int(c["examples"]) - int(c["clarify"]))
+             for c in by_source.values() if int(c["examples"])]
+    n_pos, n_neg = sum(c[1] for c in cells), sum(c[2] for c in cells)
+    if not n_pos or not n_neg:
+        return None
+    wins = sum(pi * nj * (1.0 if si > sj else 0.5 if si == sj else 0.0)
+               for si, pi, _ in cells for sj, _, nj in cells)
+    return wins / (n_pos * n_neg)
+
+
+def within_source_summary(gold: Sequence[bool], scores: Sequence[float], sources: Sequence[str],
+                          budget: float = 0.10) -> dict:
+    """The headline figures: AUROC, recall and F1 at an over-asking ``budget`` *inside each source*
+    and their unweighted means (``macro``) -- figures a model cannot reach by telling sources apart.
+
+    ``by_source[s]`` has ``n``, ``clarify``, ``auroc``, ``recall_at_budget``, ``f1_at_budget`` (both
+    at the best-recall threshold within the budget, chosen on that source's own scores); a source
+    with a single gold class has None there and is left out of the means (``sources_scored``).
+    """
+    _check_same_length(gold, scores, "gold", "scores")
+    _check_same_length(gold, sources, "gold", "sources")
+    by: dict[str, dict] = {}
+    for src in sorted(set(sources)):
+        idx = [i for i, s in enumerate(sources) if s == src]
+        g, sc = [bool(gold[i]) for i in idx], [float(scores[i]) for i in idx]
+        op = operating_point_at_over_asking(g, sc, budget)
+        by[src] = {"n": len(idx), "clarify": sum(g), "auroc": auroc(g, sc),
+                   "recall_at_budget": op["recall"] if op else None, "f1_at_budget": op["f1"] if op else None}
+
+    def mean(key: str) -> float | None:
+        vals = [v[key] for v in by.values() if v[key] is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    return {"budget": budget, "by_source": by, "macro_auroc": mean("auroc"),
+            "macro_recall_at_budget": mean("recall_at_budget"), "macro_f1_at_budget": mean("f1_at_budget"),
+            "min_auroc": min((v["auroc"] for v in by.values() if v["auroc"] is not None), default=None),
+            "sources_scored": sorted(s for s, v in by.items() if v["auroc"] is not None)}
+
+
 # ---- question --------------------------------------------------------------------------------
 
 
@@ -351,6 +429,9 @@ def evaluate_predictions(
     ``question.semantic_similarity`` of those same pairs is added (None without it). Grounding of
     turns is under ``grounding``, of passages under ``grounding_passages``.
 
+    ``within_source`` (:func:`within_source_summary`, sources by ``core.schema.source_of``) holds the
+    figures a model cannot reach by telling datasets apart: report them first on a mixed set.
+
     Raises ValueError when ``examples`` and ``preds`` differ in length.
     """
     _check_same_length(examples, preds, "examples", "preds")
@@ -374,11 +455,14 @@ def evaluate_predictions(
 
     n = len(preds)
     n_valid = sum(1 for p in preds if p.valid)
+    from clarifier.core.schema import source_of
+
     return {
         "n": n,
         "threshold": threshold,
         "decision": decision_metrics(gold, decided),
         "auroc": auroc(gold, scores),
+        "within_source": within_source_summary(gold, scores, [source_of(e) for e in examples]),
         "recall_at_over_asking": {f"{b:g}": recall_at_over_asking(gold, scores, b) for b in OVER_ASKING_BUDGETS},
         "ece": expected_calibration_error(gold, scores),
         "question": question,

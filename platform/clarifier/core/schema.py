@@ -194,3 +194,9 @@ class ClarifyResponse(BaseModel):
         default=True,
         description="False when the generation did not parse; the answer then falls back to no clarification.",
     )
+
+
+def source_of(example: "Example") -> str:
+    """The source an example came from: ``meta.source`` (data.sources, synthetic), else ``meta.dataset``
+    (the importers), else "unknown" (a user's evaluation file without either)."""
+    return str(example.meta.get("source") or example.meta.get("dataset") or "unknown")

@@ -23,7 +23,7 @@ FILTERED_DIR = "filtered"
 PACKED_DIR = "train_packed"
 MANIFEST = "manifest.json"
 SPLIT_COLUMNS = [
-    "id", "conversation_id", "split", "example_json", "needs_clarification",
+    "id", "conversation_id", "split", "example_json", "needs_clarification", "data_source",
     "input_ids", "labels", "loss_weights", "segment_ids", "num_tokens",
 ]
 QUARANTINE_COLUMNS = ["source", "line", "reason", "raw"]

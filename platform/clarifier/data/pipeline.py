@@ -324,15 +324,20 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
         ).map_batches(mark_duplicates, batch_format="pyarrow", fn_kwargs={"first": first}).materialize()
         progress(f"[data] tokenised; {len(first)} inputs seen more than once; writing splits")
         # Counting reads a few small columns (projected first: the rows carry their token lists).
-        groups = encoded.select_columns(["split", "status", "grounding_source", "clarify", *AGREE_COLUMNS]).groupby(
-            ["split", "status", "grounding_source"], num_partitions=1).aggregate(
+        groups = encoded.select_columns(["split", "status", "grounding_source", "data_source", "clarify",
+                                         *AGREE_COLUMNS]).groupby(
+            ["split", "status", "grounding_source", "data_source"], num_partitions=1).aggregate(
             Count(alias_name="n"), Sum("clarify", alias_name="clarify"),
             *(Sum(k, alias_name=k) for k in AGREE_COLUMNS),
         ).take_all()
-        for r in groups:
+        for r in sorted(groups, key=lambda r: str(r["data_source"])):
             if r["status"] == "ok":
-                split_counts[r["split"]]["examples"] += int(r["n"])
-                split_counts[r["split"]]["clarify"] += int(r["clarify"] or 0)
+                c = split_counts[r["split"]]
+                c["examples"] += int(r["n"])
+                c["clarify"] += int(r["clarify"] or 0)
+                src = c.setdefault("by_source", {}).setdefault(str(r["data_source"]), {"examples": 0, "clarify": 0})
+                src["examples"] += int(r["n"])
+                src["clarify"] += int(r["clarify"] or 0)
             else:
                 filtered[r["status"]] = filtered.get(r["status"], 0) + int(r["n"])
         if d.silver_grounding.enabled:

@@ -151,6 +151,3 @@ def materialize_sources(d: DataConfig, progress: Callable[[str], None] = print) 
     return report
 
 
-def source_of(example: Example) -> str:
-    """The source an example came from: ``meta.source`` (data.sources, synthetic), else ``meta.dataset``."""
-    return str(example.meta.get("source") or example.meta.get("dataset") or "unknown")

@@ -17,6 +17,7 @@ import pyarrow as pa
 from clarifier.core.config import LabellingConfig
 from clarifier.core.schema import Example
 from clarifier.data.grounding import GROUNDING_COLUMNS
+from clarifier.core.schema import source_of
 from clarifier.data.split import assign_split
 from clarifier.data.validate import check_object, parse_line_full, quarantine_record, read_file, split_lines
 
@@ -34,6 +35,7 @@ PARSED_SCHEMA = pa.schema([
     ("split", pa.string()),
     ("example_json", pa.string()),
     ("needs_clarification", pa.bool_()),
+    ("data_source", pa.string()),  # the dataset the example came from (clarifier.data.sources.source_of)
     ("dedup_key", pa.string()),
     ("order_key", pa.string()),  # examples: (source, line, id) as one string that sorts like the tuple
     # "file" rows: the file's counts (the manifest's counts are sums of these)
@@ -46,7 +48,7 @@ PARSED_SCHEMA = pa.schema([
 ])
 FILE_COUNTS = ["n_lines", "n_blank", "n_examples", "n_quarantined", "n_filtered", "n_lines_with_examples"]
 EXAMPLE_FIELDS = ["source", "line", "id", "conversation_id", "split", "example_json", "needs_clarification",
-                  "dedup_key", "order_key"]
+                  "data_source", "dedup_key", "order_key"]
 ENCODED_SCHEMA = pa.schema([PARSED_SCHEMA.field(n) for n in EXAMPLE_FIELDS] + [
     ("status", pa.string()),  # "ok" | "duplicate" | "too_long"
     ("reason", pa.string()),
@@ -97,6 +99,7 @@ def _record_rows(examples: list[Example], filtered, source: str, line_no: int, s
             "split": assign_split(ex.conversation_id, seed, fractions),
             "example_json": ex.model_dump_json(),
             "needs_clarification": ex.needs_clarification,
+            "data_source": source_of(ex),
             "dedup_key": dedup_key(ex),
             "order_key": order_key(source, line_no, ex.id, ex.needs_clarification),
         })

@@ -210,3 +210,24 @@ def baseline_predictions(name: str, examples: Sequence) -> list[Prediction]:
     if name == "lexical":
         return lexical_predictions(examples)
     raise ValueError(f"unknown baseline {name!r} (known: {', '.join(BASELINES)}, base_model)")
+
+
+def source_only_predictions(train: Sequence, calibration: Sequence, examples: Sequence,
+                            max_over_asking: float | None) -> tuple[list[Prediction], float]:
+    """The *source-only control*: P(clarify) = the clarify share of the example's source in ``train``,
+    thresholded on ``calibration`` by the models' own rule (``eval.max_over_asking``). It knows which
+    dataset a turn came from and nothing else, so on a mixed set it shows how much of a model's
+    figure source identity alone can reach; inside one source it is at chance.
+    Returns ``(predictions, threshold)``."""
+    from clarifier.core.metrics import source_only_scores
+    from clarifier.core.schema import source_of
+    from clarifier.train.calibrate import choose_threshold
+
+    ts, tg = [source_of(e) for e in train], [bool(e.needs_clarification) for e in train]
+    cal_gold = [bool(e.needs_clarification) for e in calibration]
+    thr = 0.5
+    if len(set(cal_gold)) == 2:
+        thr, _ = choose_threshold(cal_gold, source_only_scores(ts, tg, [source_of(e) for e in calibration]),
+                                  max_over_asking)
+    scores = source_only_scores(ts, tg, [source_of(e) for e in examples])
+    return [Prediction(needs_clarification=sc >= thr, confidence=sc) for sc in scores], thr

@@ -63,6 +63,8 @@ class BenchmarkPlan(_Strict):
     leave_one_out: LeaveOneOutPlan = LeaveOneOutPlan()
     error_analysis: ErrorAnalysisPlan = ErrorAnalysisPlan()
     grounding_source: str = Field("synthetic", description="Source whose gold grounding the grounding columns are measured on.")
+    source_only: bool = Field(True, description="Add the source-only control row (scores a turn by its source's clarify "
+                                                "share in the train split) and the control on the training mix.")
 
 
 def plan_path(name_or_path: str) -> Path:
@@ -270,7 +272,7 @@ def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | 
 
 def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, progress: Progress) -> dict:
     from clarifier.data.outputs import load_split
-    from clarifier.data.sources import source_of
+    from clarifier.core.schema import source_of
     from clarifier.evaluation.baselines import baseline_predictions
     from clarifier.evaluation.error_analysis import analyse
     from clarifier.evaluation.evaluate import similarity_fn_for
@@ -307,6 +309,23 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
     with clock.stage("rule baselines"):
         for name in plan.rule_baselines:
             add_row(name, "rule", baseline_predictions(name, examples))
+    train_mix = {}
+    if plan.source_only:
+        with clock.stage("source-only control"):
+            from clarifier.core.metrics import source_only_auroc
+            from clarifier.evaluation.baselines import source_only_predictions
+            from clarifier.train.loop import training_mix
+
+            train_split = load_split(base.data.output, "train")
+            calib_split = load_split(base.data.output, base.eval.calibration_split) if base.eval.calibration_split else []
+            preds, thr = source_only_predictions(train_split, calib_split, examples, base.eval.max_over_asking)
+            mix = training_mix(base.train.balance, manifest["counts"]["splits"]["train"])
+            train_mix = {"balance": base.train.balance, "source_only_auroc": mix["source_only_auroc"],
+                         "source_only_auroc_natural": source_only_auroc([source_of(e) for e in train_split],
+                                                                        [e.needs_clarification for e in train_split])}
+            progress(f"[recipe] training mix ({base.train.balance}): source-only control AUROC "
+                     f"{train_mix['source_only_auroc']} (natural mix {train_mix['source_only_auroc_natural']})")
+            add_row("source_only", "control", preds, threshold=thr)
     for name, model in plan.zero_shot.items():
         with clock.stage(f"zero-shot {name} ({model})"):
             preds, secs, calib = _predict_zero_shot(model, examples, base, progress)
@@ -376,6 +395,10 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
                                              "clarify": sum(source_of(e) == s and e.needs_clarification for e in test)}
                                          for s in by_source}},
         "semantic_encoder": sim_info,
+        "operating_point": {"max_over_asking": base.eval.max_over_asking,
+                            "rule": "max F1" if base.eval.max_over_asking is None else
+                            f"best recall with over-asking <= {base.eval.max_over_asking:g} on {base.eval.calibration_split}"},
+        "train_mix": train_mix,
         "rows": rows,
         "uncertainty": uncertainty,
         "leave_one_out": loo,

@@ -77,6 +77,80 @@ def loo_table(result: dict, compare: tuple[str, ...] = ("joint", "lexical")) -> 
     return _table(["left out", "row", *(h for h, _ in SOURCE_COLUMNS)], lines)
 
 
+# Published zero-shot ask-vs-answer on Abg-CoQA (CollabLLM, ICML 2025, Table 2): accuracy on
+# ambiguous turns, accuracy on non-ambiguous turns, macro-F1 (x100).
+PUBLISHED_ABGCOQA = {"GPT-4o (zero-shot, published)": (15.4, 95.6, 56.6),
+                     "Llama-3.1-8B (zero-shot, published)": (16.3, 90.4, 53.3)}
+ANCHOR_SOURCE = "abgcoqa"
+
+
+def _within(m: dict | None, src: str) -> dict:
+    """One source's within-source figures of a metrics dict (a row's ``all``, or a leave-one-out run)."""
+    return (((m or {}).get("within_source") or {}).get("by_source") or {}).get(src) or {}
+
+
+def within_source_table(result: dict) -> list[str]:
+    """Headline 1: AUROC inside each source and their mean -- what telling sources apart cannot reach."""
+    sources = list(result["eval_set"]["by_source"])
+    lines = []
+    for name, row in result["rows"].items():
+        w = row["metrics"]["all"].get("within_source") or {}
+        lines.append([name, row["kind"], fmt(w.get("macro_auroc")), fmt(w.get("min_auroc")),
+                      *(fmt(_within(row["metrics"]["all"], s).get("auroc")) for s in sources)])
+    return _table(["row", "kind", "mean AUROC", "min AUROC", *(f"{s}" for s in sources)], lines)
+
+
+def budget_table(result: dict) -> list[str]:
+    """Headline 2: recall / F1 at the over-asking budget, inside each source."""
+    sources = list(result["eval_set"]["by_source"])
+    lines = []
+    for name, row in result["rows"].items():
+        w = row["metrics"]["all"].get("within_source") or {}
+        lines.append([name, fmt(w.get("macro_recall_at_budget")), fmt(w.get("macro_f1_at_budget")),
+                      *(f"{fmt(_within(row['metrics']['all'], s).get('recall_at_budget'))} / "
+                        f"{fmt(_within(row['metrics']['all'], s).get('f1_at_budget'))}" for s in sources)])
+    return _table(["row", "mean R", "mean F1", *(f"{s} R / F1" for s in sources)], lines)
+
+
+def loo_headline_table(result: dict) -> list[str]:
+    """Headline 3: each source scored by models trained without it, beside the recipe trained with it."""
+    lines = []
+    for src, r in (result.get("leave_one_out") or {}).items():
+        w = _within(r["left_out"], src)
+        joint_in = _within((result["rows"].get("joint") or {}).get("metrics", {}).get("all"), src)
+        enc = r.get("encoder_left_out")
+        we = _within(enc, src) if enc else {}
+        lines.append([src, fmt(w.get("auroc")), fmt(w.get("recall_at_budget")), fmt(w.get("f1_at_budget")),
+                      fmt(we.get("auroc")) if enc else "n/a", fmt(joint_in.get("auroc"))])
+    return _table(["left out", "joint without it: AUROC", "R@10% OA", "F1@10% OA", "encoder without it: AUROC",
+                   "joint trained with it: AUROC"], lines)
+
+
+def _anchor_cells(d: dict | None) -> list[str]:
+    if not d:
+        return ["n/a"] * 3
+    macro = d.get("macro_f1")
+    if macro is None:  # reports written before decision_metrics had it
+        tn, fn, fp = d["tn"], d["fn"], d["fp"]
+        macro = (d["f1"] + (2 * tn / (2 * tn + fn + fp) if tn + fn + fp else 0.0)) / 2
+    return [f"{100 * d['recall']:.1f}", f"{100 * (1 - d['over_asking_rate']):.1f}", f"{100 * macro:.1f}"]
+
+
+def anchor_table(result: dict, src: str = ANCHOR_SOURCE) -> list[str]:
+    """Ask-vs-answer on Abg-CoQA at each row's operating threshold, beside the published zero-shot figures."""
+    if src not in result["eval_set"]["by_source"]:
+        return []
+    lines = [[name, *(f"{v:.1f}" for v in vals)] for name, vals in PUBLISHED_ABGCOQA.items()]
+    loo = (result.get("leave_one_out") or {}).get(src)
+    if loo:
+        lines.append([f"joint trained without {src}", *_anchor_cells(loo["left_out"].get("decision"))])
+    for name, row in result["rows"].items():
+        if row["kind"] in ("trained", "encoder", "zero-shot", "control") or name == "lexical":
+            label = f"{name} (trained with {src})" if row["kind"] in ("trained", "encoder") else name
+            lines.append([label, *_anchor_cells((row["metrics"].get(src) or {}).get("decision"))])
+    return _table(["row", "accuracy on ambiguous turns", "accuracy on clear turns", "macro-F1"], lines)
+
+
 def _ci(iv) -> str:
     return "n/a" if not iv else f"[{iv[0]:.3f}, {iv[1]:.3f}]"
 
@@ -136,6 +210,30 @@ def machine() -> dict:
     return info
 
 
+def headline(result: dict) -> list[str]:
+    op = result.get("operating_point") or {}
+    mix = result.get("train_mix") or {}
+    out = ["## Headline: inside each source", "",
+           "AUROC inside each source of the evaluation set and their mean; a model cannot reach these by telling "
+           "datasets apart (the source-only control is 0.5 here by construction).", "", *within_source_table(result), ""]
+    if mix.get("source_only_auroc") is not None:
+        out += [f"Source-only control on the training mix (train.balance={mix.get('balance')}): AUROC "
+                f"{fmt(mix['source_only_auroc'])} (the train split as it is: {fmt(mix.get('source_only_auroc_natural'))}).", ""]
+    out += ["### At 10% over-asking", "",
+            "Best recall (and its F1) asking about at most 10% of each source's clear turns, threshold-free (chosen on "
+            "the scores themselves, like AUROC). The rows' own operating thresholds are chosen on dev by the product's "
+            f"rule: {op.get('rule', 'n/a')}.", "", *budget_table(result), ""]
+    if result.get("leave_one_out"):
+        out += ["### Leave one dataset out", "", *loo_headline_table(result), ""]
+    anchor = anchor_table(result)
+    if anchor:
+        out += [f"### Ask vs answer on {ANCHOR_SOURCE}, against published zero-shot LLMs", "",
+                "Accuracy on ambiguous / clear turns and macro-F1 (x100) at each row's operating threshold, the "
+                "figures CollabLLM (ICML 2025, Table 2) reports for GPT-4o and Llama-3.1-8B on Abg-CoQA; ours are on "
+                "this evaluation set's Abg-CoQA sample (validation split), theirs on the test split.", "", *anchor, ""]
+    return out
+
+
 def markdown(result: dict) -> str:
     m = result.get("machine", {})
     plan = str(result.get("benchmark", "")).removeprefix("recipe-") or result["plan"]["recipe"]
@@ -148,7 +246,10 @@ def markdown(result: dict) -> str:
              + (f", {result['eval_set']['clarify_share']:.0%} of them needing clarification where the split has enough"
                 if result["eval_set"].get("clarify_share") else "") + ": "
              + ", ".join(f"{s} {v['n']} ({v['clarify']} clarify)" for s, v in result["eval_set"]["by_source"].items()) + ".",
-             "", "## All rows, all sources", "", *main_table(result), "",
+             "", *headline(result),
+             "## Mixed evaluation set: all rows, all sources together", "",
+             "These figures mix sources whose share of turns needing a question differs widely; the source-only "
+             "control row shows how much of them knowing the source alone reaches.", "", *main_table(result), "",
              "Decision columns at each row's operating threshold (trained and zero-shot rows: chosen on the dev split by "
              "the same calibration rule; zero-shot scores are P(clarify) / (P(clarify) + P(answer))); AUROC and R@x% OA (best recall asking about at most x% of clear turns) are "
              "threshold-free; question columns on true positives; grounding on the "

@@ -36,6 +36,8 @@ checkpoint, and logged by the driver (``tracking/lost_steps``).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import json
 import os
 import random
@@ -102,18 +104,80 @@ def epoch_permutation(n: int, seed: int, epoch: int):
     return np.random.default_rng([int(seed), int(epoch)]).permutation(n)
 
 
+def balanced_epoch_order(keys: tuple[tuple[str, bool], ...], seed: int, epoch: int):
+    """The row order of ``epoch`` for ``train.balance=source_class``: inside every source half the rows
+    are turns that need a question and half clear ones, so the source predicts nothing.
+
+    ``keys`` are the rows' ``(source, needs_clarification)``. Each source keeps its number of rows
+    (so an epoch is still ``n`` rows and sources keep their share); its minority class is drawn
+    again (a fresh permutation each round) and its majority class subsampled, differently every
+    epoch. A source with a single class keeps its rows as they are. Deterministic in (seed, epoch).
+    """
+    import numpy as np
+
+    rng = np.random.default_rng([int(seed), int(epoch), 1])
+    groups: dict[str, tuple[list[int], list[int]]] = {}
+    for i, (src, gold) in enumerate(keys):
+        groups.setdefault(str(src), ([], []))[1 if gold else 0].append(i)
+    rows: list[int] = []
+    for src in sorted(groups):
+        clear, ask = groups[src]
+        if not clear or not ask:
+            rows += clear + ask
+            continue
+        n = len(clear) + len(ask)
+        for idx, m in ((ask, (n + 1) // 2), (clear, n // 2)):
+            rounds = -(-m // len(idx))
+            rows += np.concatenate([rng.permutation(idx) for _ in range(rounds)])[:m].tolist()
+    return rng.permutation(np.asarray(rows, dtype=np.int64))
+
+
+def balanced_counts(by_source: dict[str, dict]) -> dict[str, dict]:
+    """Per-source ``{"examples", "clarify"}`` counts of one epoch of :func:`balanced_epoch_order`."""
+    out = {}
+    for src, c in by_source.items():
+        n, k = int(c["examples"]), int(c["clarify"])
+        out[src] = {"examples": n, "clarify": (n + 1) // 2 if 0 < k < n else k}
+    return out
+
+
+def training_mix(balance: str, train_counts: dict) -> dict:
+    """What one epoch of training sees: the train split's counts (the manifest's
+    ``counts.splits.train``) as ``train.balance`` mixes them, and the source-only control on that mix
+    (AUROC of a score that knows only the source: 0.5 = the source predicts nothing)."""
+    from clarifier.core.metrics import source_only_auroc_from_counts
+
+    by = train_counts.get("by_source") or {}
+    if balance == "source_class" and not by:
+        raise ValueError("train.balance=source_class needs per-source counts in the data manifest "
+                         "(counts.splits.train.by_source), which this data output predates: rerun `clarifier data prepare`")
+    mixed = balanced_counts(by) if balance == "source_class" else by
+    return {"balance": balance, "examples": int(train_counts["examples"]),
+            "clarify": sum(c["clarify"] for c in mixed.values()) if mixed else int(train_counts["clarify"]),
+            "by_source": mixed,
+            "source_only_auroc_natural": source_only_auroc_from_counts(by) if by else None,
+            "source_only_auroc": source_only_auroc_from_counts(mixed) if mixed else None}
+
+
+@lru_cache(maxsize=2)
+def _epoch_order(n: int, seed: int, epoch: int, keys: tuple | None):
+    return epoch_permutation(n, seed, epoch) if keys is None else balanced_epoch_order(keys, seed, epoch)
+
+
 def micro_batches_per_epoch(n: int, world: int, micro_batch: int) -> int:
     return n // (world * micro_batch)
 
 
-def batch_indices(n: int, seed: int, world: int, rank: int, micro_batch: int, micro_index: int) -> list[int]:
-    """Row indices of rank ``rank``'s ``micro_index``-th micro-batch (counted from the very start)."""
+def batch_indices(n: int, seed: int, world: int, rank: int, micro_batch: int, micro_index: int,
+                  keys: tuple | None = None) -> list[int]:
+    """Row indices of rank ``rank``'s ``micro_index``-th micro-batch (counted from the very start);
+    with ``keys`` (the rows' ``(source, needs_clarification)``) epochs follow :func:`balanced_epoch_order`."""
     per_epoch = micro_batches_per_epoch(n, world, micro_batch)
     if per_epoch < 1:
         raise ValueError(f"the train split has {n} examples, fewer than one global micro-batch "
                          f"(train.num_workers x train.micro_batch_size = {world * micro_batch})")
     epoch, j = divmod(micro_index, per_epoch)
-    perm = epoch_permutation(n, seed, epoch)
+    perm = _epoch_order(n, seed, epoch, keys)
     start = (j * world + rank) * micro_batch
     return [int(i) for i in perm[start:start + micro_batch]]
 
@@ -217,8 +281,11 @@ def canonical_train_table(table, part: str | None, packed: bool = False):
     return table
 
 
-def train_columns(packed: bool) -> list[str]:
-    return ["example_ids", "num_tokens", *PACKED_COLUMNS] if packed else TRAIN_COLUMNS
+def train_columns(packed: bool, balance: str = "none") -> list[str]:
+    """The train split's columns the loop reads (``data_source`` only to balance by source)."""
+    if packed:
+        return ["example_ids", "num_tokens", *PACKED_COLUMNS]
+    return [*TRAIN_COLUMNS, "data_source"] if balance != "none" else TRAIN_COLUMNS
 
 
 def load_train_table(data_root: str, part: str | None, packed: bool = False):
@@ -377,6 +444,9 @@ class WorkerRecipe:
             raise RuntimeError(f"worker {self.rank}: the train split{f' (part {self.part})' if self.part else ''} "
                                f"has {self.n_rows} examples, fewer than train.num_workers x train.micro_batch_size = "
                                f"{self.world * t.micro_batch_size}")
+        # train.balance=source_class: the epochs' row order balances the classes inside every source.
+        self.keys = (tuple(zip(self.table["data_source"].to_pylist(), self.table["needs_clarification"].to_pylist()))
+                     if t.balance == "source_class" else None)
         self.scale = segment_scale(self.part)
         dl = self.config.get("decision_loss")
         self.dloss = DecisionLoss(**dl) if dl else DecisionLoss()
@@ -455,7 +525,7 @@ class WorkerRecipe:
         t = self.cfg.train
         losses, tokens = [], 0
         while True:
-            idx = batch_indices(self.n_rows, t.seed, self.world, self.rank, t.micro_batch_size, self.micro)
+            idx = batch_indices(self.n_rows, t.seed, self.world, self.rank, t.micro_batch_size, self.micro, self.keys)
             b = make_batch(self.table, idx, self.tok.pad_token_id, self.engine.device, self.scale)
             loss, parts = forward_loss(self.engine, b, self.dloss)
             self.engine.backward(loss)

@@ -16,7 +16,8 @@ from clarifier.core.config import ClarifierConfig, TrainConfig, flatten
 from clarifier.engine.inference import META_FILE, read_meta
 from clarifier.core.objective import PIPELINE_PARTS
 from clarifier.engine.pipeline import PIPELINE_FILE
-from clarifier.train.loop import DS_DIR, RANK_DIR, STATE_FILE, resolve_decision_loss, train_columns, train_loop_per_worker
+from clarifier.train.loop import (DS_DIR, RANK_DIR, STATE_FILE, resolve_decision_loss, train_columns,
+                                  train_loop_per_worker, training_mix)
 from clarifier.core.objective import DecisionLoss
 
 RUN_NAME_TAG = "clarifier.run_name"
@@ -71,7 +72,14 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
     if n_train < t.num_workers * t.micro_batch_size:
         raise ValueError(f"the train split has {n_train} {what}, fewer than train.num_workers x "
                          f"train.micro_batch_size = {t.num_workers * t.micro_batch_size}")
-    decision = resolve_decision_loss(cfg, train_counts)  # fails early on clarify_weight=auto without both classes
+    if t.balance != "none" and cfg.data.packing.enabled:
+        raise ValueError(f"train.balance={t.balance} reorders single examples; set data.packing.enabled=false")
+    mix = training_mix(t.balance, train_counts)
+    if mix["source_only_auroc"] is not None:
+        progress(f"[train] training mix ({t.balance}): {mix['clarify']}/{mix['examples']} need a question per epoch; "
+                 f"source-only control AUROC {mix['source_only_auroc']:.3f}"
+                 + (f" (natural mix {mix['source_only_auroc_natural']:.3f})" if t.balance != "none" else ""))
+    decision = resolve_decision_loss(cfg, mix)  # fails early on clarify_weight=auto without both classes
 
     need = t.num_workers * t.cpus_per_worker
     have = ray.cluster_resources().get("CPU", 0)
@@ -122,7 +130,10 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
     calib = _calibrate(cfg, out, progress)
     with mlflow.start_run(run_id=run_id):
         mlflow.log_artifacts(str(out), artifact_path="adapter")
-        mlflow.log_metrics({"train/steps": steps, "train/seconds": seconds})
+        mlflow.log_metrics({"train/steps": steps, "train/seconds": seconds,
+                            **({"train_mix/source_only_auroc": mix["source_only_auroc"],
+                                "train_mix/source_only_auroc_natural": mix["source_only_auroc_natural"]}
+                               if mix["source_only_auroc"] is not None else {})})
         mlflow.set_tag("clarifier.precision", precision)
         _log_tracking(tracking, run_id, summary)
         if calib:
@@ -243,7 +254,7 @@ def train_dataset(cfg: ClarifierConfig):
 
     packed = cfg.data.packing.enabled
     fs, path = storage.filesystem(storage.join(cfg.data.output, PACKED_DIR if packed else "train"))
-    return ray.data.read_parquet(path, filesystem=fs, columns=train_columns(packed)).materialize()
+    return ray.data.read_parquet(path, filesystem=fs, columns=train_columns(packed, cfg.train.balance)).materialize()
 
 
 def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str | None, decision, ray_name: str,
