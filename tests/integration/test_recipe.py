@@ -35,7 +35,7 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
                   "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}},
         "train": {"num_workers": 1, "zero_stage": 2, "max_steps": 2, "micro_batch_size": 2, "warmup_steps": 1,
                   "decision_loss": {"kind": "weighted", "clarify_weight": "auto"}, "experiment": "recipe-test",
-                  "balance": "source_class"},
+                  "balance": "source_class", "learning_curve": {"every": 1, "examples_per_source": 4}},
         "eval": {"batch_size": 4, "max_new_tokens": 8, "semantic_encoder": None},
     }
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(recipe))
@@ -107,6 +107,10 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     assert md.index("## Headline: inside each source") < md.index("## Mixed evaluation set")
     assert "### At 10% over-asking" in md and "### Leave one dataset out" in md and "joint without clariq" in md
     assert "Source-only control on the training mix (train.balance=source_class)" in md
+    # the learning curve: within-source dev AUROC logged at every step, tabled and plotted
+    curve = joint["learning_curve"]
+    assert [p["step"] for p in curve] == [1, 2] and all("dev/macro_auroc" in p for p in curve)
+    assert "## Learning curve" in md and (tmp_path / "out" / "report-learning-curve.png").stat().st_size > 1000
     assert "| zero_shot_tiny | zero-shot |" in md
     assert result["benchmark"] == "recipe-plan" and md.startswith(f"# Recipe benchmark: plan (recipe {tmp_path / 'tiny.yaml'})")
     assert any("data job" in m for m in messages)

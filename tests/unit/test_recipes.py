@@ -176,14 +176,14 @@ def test_plan_and_recipe_errors(tmp_path):
         without_source(cfg, "clariq", tmp_path)
 
 
-def test_eval_sample_caps_each_source():
-    from clarifier.recipes.benchmark import eval_sample
+def test_sample_by_source_caps_each_source():
+    from clarifier.core.schema import sample_by_source
 
     examples = [Example(id=f"{s}{i}", query="q", needs_clarification=False, meta={"source": s}) for s in "ab" for i in range(10)]
     examples += [Example(id="c0", query="q", needs_clarification=False, meta={"source": "c"})]
-    got = eval_sample(examples, 4, seed=0, source_of=source_of)
+    got = sample_by_source(examples, 4, seed=0)
     assert [source_of(e) for e in got].count("a") == 4 and [source_of(e) for e in got].count("c") == 1
-    assert got == eval_sample(list(reversed(examples)), 4, seed=0, source_of=source_of)
+    assert got == sample_by_source(list(reversed(examples)), 4, seed=0)
 
 
 def test_tables_render_every_row():
@@ -222,12 +222,12 @@ def test_cli_train_recipe_conflicts_with_config(tmp_path):
     assert r.exit_code == 0 and "joint-public" in r.output
 
 
-def test_eval_sample_with_a_clarify_share():
-    from clarifier.recipes.benchmark import eval_sample
+def test_sample_by_source_with_a_clarify_share():
+    from clarifier.core.schema import sample_by_source
 
     examples = [Example(id=f"a{i}", query="q", needs_clarification=i < 5, clarifying_question="which?" if i < 5 else None, meta={"source": "a"}) for i in range(100)]
-    got = eval_sample(examples, 20, seed=0, source_of=source_of, clarify_share=0.5)
+    got = sample_by_source(examples, 20, seed=0, clarify_share=0.5)
     assert len(got) == 20 and sum(e.needs_clarification for e in got) == 5  # only 5 positives exist
     examples += [Example(id=f"b{i}", query="q", needs_clarification=i < 40, clarifying_question="which?" if i < 40 else None, meta={"source": "b"}) for i in range(100)]
-    got = [e for e in eval_sample(examples, 20, seed=0, source_of=source_of, clarify_share=0.3) if source_of(e) == "b"]
+    got = [e for e in sample_by_source(examples, 20, seed=0, clarify_share=0.3) if source_of(e) == "b"]
     assert len(got) == 20 and sum(e.needs_clarification for e in got) == 6

@@ -197,6 +197,14 @@ class DecisionLossConfig(_Strict):
         return v
 
 
+class LearningCurveConfig(_Strict):
+    every: int = Field(0, ge=0, description="Score a dev sample every this many optimizer steps (and at the last "
+                                            "step) and log its within-source AUROC to MLflow (dev/...); 0 = off.")
+    examples_per_source: int = Field(40, ge=2, description="Dev examples per source in that sample (seeded, the same "
+                                                           "each time; half need a question where the split has enough).")
+    batch_size: int = Field(8, ge=1)
+
+
 class TrainConfig(_Strict):
     num_workers: int = Field(2, ge=1)
     use_gpu: bool = False
@@ -217,6 +225,7 @@ class TrainConfig(_Strict):
     seed: int = 0
     loss_weights: LossWeights = LossWeights()
     decision_loss: DecisionLossConfig = DecisionLossConfig()
+    learning_curve: LearningCurveConfig = LearningCurveConfig()
     balance: Literal["none", "source_class"] = Field(
         "none", description="The training mixture. none: every train row once per epoch; source_class: inside every "
                             "source half the rows need a question and half are clear (minority class drawn again, "

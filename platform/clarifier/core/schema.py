@@ -200,3 +200,34 @@ def source_of(example: "Example") -> str:
     """The source an example came from: ``meta.source`` (data.sources, synthetic), else ``meta.dataset``
     (the importers), else "unknown" (a user's evaluation file without either)."""
     return str(example.meta.get("source") or example.meta.get("dataset") or "unknown")
+
+
+def sample_by_source(examples: list, per_source: int, seed: int, clarify_share: float | None = None) -> list:
+    """Up to ``per_source`` examples of every source (:func:`source_of`; seeded), in id order.
+
+    With ``clarify_share``, each source's sample holds that share of turns needing clarification
+    where the split has enough of them (the rest clear turns; a shortfall of either is filled with
+    the other), so that recall is measured on more than a handful of positives.
+    """
+    import random
+
+    by: dict[str, list] = {}
+    for e in sorted(examples, key=lambda e: e.id):
+        by.setdefault(source_of(e), []).append(e)
+    out = []
+    for src in sorted(by):
+        group = by[src]
+        rng = random.Random(f"{seed}:{src}")
+        if len(group) <= per_source:
+            pass
+        elif clarify_share is None:
+            group = rng.sample(group, per_source)
+        else:
+            pos = [e for e in group if e.needs_clarification]
+            neg = [e for e in group if not e.needs_clarification]
+            n_pos = min(len(pos), round(clarify_share * per_source))
+            n_neg = min(len(neg), per_source - n_pos)
+            n_pos = min(len(pos), per_source - n_neg)
+            group = rng.sample(pos, n_pos) + rng.sample(neg, n_neg)
+        out += sorted(group, key=lambda e: e.id)
+    return out

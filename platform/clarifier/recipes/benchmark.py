@@ -18,7 +18,6 @@ The plan (``clarifier/recipes/plans/<name>.yaml``) is a :class:`BenchmarkPlan`.
 from __future__ import annotations
 
 import os
-import random
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -93,35 +92,6 @@ def load_plan(name_or_path: str) -> BenchmarkPlan:
 # ---- pure parts ------------------------------------------------------------------------------
 
 
-def eval_sample(examples: list, per_source: int, seed: int, source_of, clarify_share: float | None = None) -> list:
-    """Up to ``per_source`` examples of every source (seeded), in id order.
-
-    With ``clarify_share``, each source's sample holds that share of turns needing clarification
-    where the split has enough of them (the rest clear turns; a shortfall of either is filled with
-    the other), so that recall is measured on more than a handful of positives.
-    """
-    by: dict[str, list] = {}
-    for e in sorted(examples, key=lambda e: e.id):
-        by.setdefault(source_of(e), []).append(e)
-    out = []
-    for src in sorted(by):
-        group = by[src]
-        rng = random.Random(f"{seed}:{src}")
-        if len(group) <= per_source:
-            pass
-        elif clarify_share is None:
-            group = rng.sample(group, per_source)
-        else:
-            pos = [e for e in group if e.needs_clarification]
-            neg = [e for e in group if not e.needs_clarification]
-            n_pos = min(len(pos), round(clarify_share * per_source))
-            n_neg = min(len(neg), per_source - n_pos)
-            n_pos = min(len(pos), per_source - n_neg)
-            group = rng.sample(pos, n_pos) + rng.sample(neg, n_neg)
-        out += sorted(group, key=lambda e: e.id)
-    return out
-
-
 def without_source(cfg: ClarifierConfig, source: str, workdir: Path) -> ClarifierConfig:
     names = [s.source_name for s in cfg.data.sources]
     if source not in names:
@@ -172,7 +142,20 @@ def _train(cfg: ClarifierConfig, progress: Progress) -> dict:
     res = train(cfg, progress=progress)
     return {"run_id": res.run_id, "model_dir": res.model_dir, "model_uri": f"runs:/{res.run_id}/adapter",
             "steps": res.steps, "train_seconds": round(res.seconds, 1),
-            "seconds": round(time.time() - t0, 1)}
+            "seconds": round(time.time() - t0, 1), "learning_curve": learning_curve(res.run_id)}
+
+
+def learning_curve(run_id: str) -> list[dict]:
+    """The run's ``train.learning_curve`` points from MLflow: ``[{"step", "dev/macro_auroc", ...}]``."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    keys = [k for k in client.get_run(run_id).data.metrics if k.startswith("dev/")]
+    points: dict[int, dict] = {}
+    for k in keys:
+        for m in client.get_metric_history(run_id, k):
+            points.setdefault(int(m.step), {"step": int(m.step)})[k] = float(m.value)
+    return [points[s] for s in sorted(points)]
 
 
 def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progress: Progress) -> tuple[list, float, float]:
@@ -272,7 +255,7 @@ def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | 
 
 def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, progress: Progress) -> dict:
     from clarifier.data.outputs import load_split
-    from clarifier.core.schema import source_of
+    from clarifier.core.schema import sample_by_source, source_of
     from clarifier.evaluation.baselines import baseline_predictions
     from clarifier.evaluation.error_analysis import analyse
     from clarifier.evaluation.evaluate import similarity_fn_for
@@ -286,7 +269,7 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
     with clock.stage("data job: import the sources, Ray Data preprocessing"):
         manifest = prepare_if_needed(base, progress)
     test = load_split(base.data.output, base.eval.split)
-    examples = eval_sample(test, plan.eval_per_source, plan.seed, source_of, plan.eval_clarify_share)
+    examples = sample_by_source(test, plan.eval_per_source, plan.seed, plan.eval_clarify_share)
     by_source = {}
     for e in examples:
         by_source.setdefault(source_of(e), [0, 0])

@@ -151,6 +151,45 @@ def anchor_table(result: dict, src: str = ANCHOR_SOURCE) -> list[str]:
     return _table(["row", "accuracy on ambiguous turns", "accuracy on clear turns", "macro-F1"], lines)
 
 
+def learning_curve_table(result: dict) -> list[str]:
+    """Within-source dev AUROC against optimizer steps, for every trained row that logged a curve."""
+    lines = []
+    for name, row in result["rows"].items():
+        for pt in row.get("learning_curve") or []:
+            per = {k.removeprefix("dev/auroc/"): v for k, v in pt.items() if k.startswith("dev/auroc/")}
+            lines.append([name, str(pt["step"]), fmt(pt.get("dev/macro_auroc")), fmt(pt.get("dev/min_auroc")),
+                          ", ".join(f"{s} {v:.2f}" for s, v in sorted(per.items()))])
+    return _table(["row", "step", "dev mean AUROC", "dev min AUROC", "per source"], lines) if lines else []
+
+
+def plot_learning_curves(result: dict, path: Path) -> Path | None:
+    """The learning curves as a PNG (mean and per-source dev AUROC against steps); None without any."""
+    curves = {n: r["learning_curve"] for n, r in result["rows"].items() if r.get("learning_curve")}
+    if not curves:
+        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for name, pts in curves.items():
+        steps = [p["step"] for p in pts]
+        (line,) = ax.plot(steps, [p.get("dev/macro_auroc") for p in pts], marker="o", linewidth=2, label=f"{name}: mean")
+        for key in sorted({k for p in pts for k in p if k.startswith("dev/auroc/")}):
+            ax.plot(steps, [p.get(key) for p in pts], linestyle=":", alpha=0.6, color=line.get_color(),
+                    label=f"{name}: {key.removeprefix('dev/auroc/')}" if len(curves) == 1 else None)
+    ax.axhline(0.5, color="grey", linewidth=0.8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("dev AUROC inside each source")
+    ax.set_ylim(0.3, 1.0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path
+
+
 def _ci(iv) -> str:
     return "n/a" if not iv else f"[{iv[0]:.3f}, {iv[1]:.3f}]"
 
@@ -262,6 +301,11 @@ def markdown(result: dict) -> str:
                   "every resample scores all rows on the same examples, so a difference whose interval contains 0 "
                   "is not a measured difference.", "", *uncertainty_table(result), ""]
     lines += ["## Per source (F1 / AUROC)", "", *source_table(result), ""]
+    curve = learning_curve_table(result)
+    if curve:
+        lines += ["## Learning curve", "",
+                  "Within-source AUROC on a fixed dev sample during training (train.learning_curve): whether more "
+                  f"steps would still help. Plot: {result.get('learning_curve_plot', 'n/a')}.", "", *curve, ""]
     if result.get("leave_one_out"):
         lines += ["## Leave one dataset out", "",
                   "Each left-out source's evaluation examples, scored by the recipe trained without that source, "
@@ -279,6 +323,9 @@ def write_outputs(result: dict, out: str | Path) -> dict[str, Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     result.setdefault("machine", machine())
     js, md = out.with_suffix(".json"), out.with_suffix(".md")
+    png = plot_learning_curves(result, out.with_name(out.name + "-learning-curve.png"))
+    if png:
+        result["learning_curve_plot"] = png.name
     js.write_text(json.dumps(result, indent=1, default=str) + "\n")
     md.write_text(markdown(result))
     return {"json": js, "md": md}

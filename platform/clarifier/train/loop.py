@@ -448,8 +448,57 @@ class WorkerRecipe:
         self.keys = (tuple(zip(self.table["data_source"].to_pylist(), self.table["needs_clarification"].to_pylist()))
                      if t.balance == "source_class" else None)
         self.scale = segment_scale(self.part)
+        self.curve = self._curve_sample()
         dl = self.config.get("decision_loss")
         self.dloss = DecisionLoss(**dl) if dl else DecisionLoss()
+
+    def _curve_sample(self) -> list:
+        """The fixed dev sample of ``train.learning_curve`` (every rank scores it: ZeRO-3 shards need all)."""
+        lc = self.cfg.train.learning_curve
+        if not lc.every or self.part in ("how", "what"):  # those parts do not train the decision
+            return []
+        from clarifier.core.schema import sample_by_source
+        from clarifier.data.outputs import load_split
+
+        split = self.cfg.eval.calibration_split or "dev"
+        try:
+            dev = load_split(self.cfg.data.output, split)
+        except FileNotFoundError:
+            dev = []
+        if len({e.needs_clarification for e in dev}) < 2:
+            if self.rank == 0:
+                _say(f"[train] learning curve off: the {split} split does not have both classes")
+            return []
+        return sample_by_source(dev, lc.examples_per_source, self.cfg.train.seed, clarify_share=0.5)
+
+    def score_curve(self) -> None:
+        """One point of the learning curve: P(clarify) of the dev sample with the weights as they are now,
+        within-source AUROC (and recall at 10% over-asking) logged at this step."""
+        import torch
+
+        from clarifier.core.metrics import within_source_summary
+        from clarifier.core.prompt import PromptOptions
+        from clarifier.core.schema import source_of
+        from clarifier.engine.inference import ClarifierEngine
+        from clarifier.engine.models import load_tokenizer, resolve_base_model
+
+        module = self.engine.module
+        tok = load_tokenizer(resolve_base_model(self.cfg.model.base_model, self.cfg.model.cache_dir))
+        scorer = ClarifierEngine(module, tok, prompt_opts=PromptOptions(max_prompt_tokens=self.cfg.model.max_prompt_tokens))
+        t0 = time.time()
+        with torch.no_grad():
+            scores = scorer.score_examples(self.curve, self.cfg.train.learning_curve.batch_size)
+        module.train()
+        if self.rank != 0:
+            return
+        w = within_source_summary([e.needs_clarification for e in self.curve], scores, [source_of(e) for e in self.curve])
+        m = {"dev/macro_auroc": w["macro_auroc"], "dev/min_auroc": w["min_auroc"],
+             "dev/macro_recall_at_10pct": w["macro_recall_at_budget"],
+             **{f"dev/auroc/{s}": v["auroc"] for s, v in w["by_source"].items()}}
+        self.tracker.log_metrics({k: float(v) for k, v in m.items() if v is not None}, self.step)
+        _say(f"[train] step {self.step}: dev within-source AUROC {w['macro_auroc']:.3f} ("
+             + ", ".join(f"{s} {v['auroc']:.2f}" for s, v in w["by_source"].items() if v["auroc"] is not None)
+             + f"; {len(self.curve)} examples, {time.time() - t0:.0f}s)")
 
     # ---- restore -----------------------------------------------------------------------------
 
@@ -578,7 +627,9 @@ class WorkerRecipe:
                 _say(f"[train] step {self.step}/{t.max_steps} loss {m['train/loss']:.4f} "
                      f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}) lr {lr:.2e} "
                      f"{m['train/tokens_per_s']:.0f} tok/s eta {eta:.0f}s")
-            t_last = now
+            if self.curve and (stop or self.step % t.learning_curve.every == 0):
+                self.score_curve()
+            t_last = time.time()
             if stop or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
                 self.save_checkpoint(final=stop)
             for cb in self.callbacks:
