@@ -12,14 +12,16 @@
    (streaming: both should stay roughly flat).
 3. **Packing efficiency**: share of non-padding tokens with packing (blocks of ``--block-length``)
    vs padding to the longest example in micro-batches of ``--micro-batch`` (in shuffled order, as
-   training reads them), on the synthetic logs and on each public dataset (through the importers,
-   when ``../shared/data/public`` and the importers are present).
+   training reads them), on the synthetic logs and on each registered public dataset (through the
+   importers, found as ``src: dataset:<name>`` is: ``$CLARIFIER_DATA_MIRROR`` -- ``../shared/data/public``
+   when unset and present -- or the cache of ``clarifier data fetch``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -183,13 +185,13 @@ def packing_efficiency(base_model: str, block_length: int, micro_batch: int, say
     except ImportError:
         out["public"] = "skipped: clarifier.data.importers not available"
         return out
-    if not SHARED.is_dir():
-        out["public"] = f"skipped: {SHARED} not found"
-        return out
-    for name in importers.available_importers():
+    from clarifier.data.datasets import REGISTRY, resolve_dataset
+
+    mirror = os.environ.get("CLARIFIER_DATA_MIRROR") or (str(SHARED) if SHARED.is_dir() else None)
+    for name in sorted(REGISTRY):
         say(f"packing efficiency on {name}")
         try:
-            result = importers.import_dataset(name, SHARED / name)
+            result = importers.import_dataset(name, resolve_dataset(name, mirror))
         except Exception as exc:  # report, keep going
             out["datasets"][name] = {"error": f"{type(exc).__name__}: {exc}"}
             continue

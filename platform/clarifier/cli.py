@@ -15,10 +15,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from clarifier.core.config import ConfigError, dump_config, load_config
+from clarifier.core.config import DATASET_REF, ConfigError, dump_config, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-data_app = typer.Typer(no_args_is_help=True, help="Data jobs: synthetic logs, public-dataset import, preprocessing.")
+data_app = typer.Typer(no_args_is_help=True, help="Data jobs: synthetic logs, public-dataset fetch and import, preprocessing.")
 models_app = typer.Typer(no_args_is_help=True, help="MLflow model registry: register, promote (gated), rollback, list, diff.")
 app.add_typer(data_app, name="data")
 recipe_app = typer.Typer(no_args_is_help=True, help="Named recipes (clarifier/recipes/configs/) and their comparison benchmarks (clarifier/recipes/plans/).")
@@ -119,7 +119,8 @@ def data_synth(out: str = typer.Option(..., help="Folder or s3:// prefix for JSO
 
 @data_app.command("import")
 def data_import(dataset: str = typer.Argument(..., help="Importer name: clariq, pacific, abgcoqa, claqua or a plugin's."),
-                src: Path = typer.Option(..., "--src", help="Folder holding the dataset as published."),
+                src: str = typer.Option(..., "--src", help="Folder holding the dataset as published, or dataset:<name> "
+                                                          "(a registered dataset from $CLARIFIER_DATA_MIRROR or the cache: data fetch)."),
                 out: str = typer.Option(..., "--out", help="file.jsonl, or a folder / s3:// prefix (one JSONL per split)."),
                 option: Optional[list[str]] = typer.Option(None, "--option", "-o", help="Importer option key=value (repeatable)."),
                 s3_endpoint_url: Optional[str] = typer.Option(None, help="S3-compatible endpoint for an s3:// --out.")):
@@ -136,6 +137,10 @@ def data_import(dataset: str = typer.Argument(..., help="Importer name: clariq, 
         opts[k.strip()] = v
     storage.set_s3_endpoint(s3_endpoint_url)
     try:
+        if src.startswith(DATASET_REF):
+            from clarifier.data.datasets import resolve_dataset
+
+            src = resolve_dataset(src[len(DATASET_REF):])
         report = export_dataset(dataset, src, out, opts, progress=_say)
     except (KeyError, ValueError, FileNotFoundError, ImportError, TypeError) as exc:
         from rich.markup import escape
@@ -143,6 +148,34 @@ def data_import(dataset: str = typer.Argument(..., help="Importer name: clariq, 
         console.print(f"[red]import error:[/red] {escape(str(exc.args[0] if isinstance(exc, KeyError) else exc))}")
         raise typer.Exit(2)
     _say(json.dumps({k: v for k, v in report.items() if k != "skipped_records"}, indent=2))
+
+
+@data_app.command("fetch")
+def data_fetch(dataset: str = typer.Argument(..., help="A registered public dataset (clariq, pacific, abgcoqa, claqua) or 'all'."),
+               mirror: Optional[str] = typer.Option(None, "--mirror", metavar="DIR",
+                                                    help="Copy from this local folder (or s3:// prefix) holding <name>/ instead of downloading."),
+               cache: Optional[Path] = typer.Option(None, "--cache", metavar="DIR",
+                                                    help="The datasets cache (default $CLARIFIER_CACHE/datasets, else ~/.cache/clarifier/datasets).")):
+    """Download (or copy from --mirror) a registered public dataset into the cache, verifying each file's
+    size and sha256; files already verified are kept. `src: dataset:<name>` in data.sources then finds it.
+
+    Downloads come from the dataset's own repository, or from $CLARIFIER_DATA_BASE_URL/<name>/<path> when set.
+    Exit code 0 when every file is verified, 1 when one failed, 2 for an unknown dataset."""
+    from clarifier.data.datasets import REGISTRY, DatasetError, fetch_dataset, get_dataset
+
+    names = sorted(REGISTRY) if dataset == "all" else [dataset]
+    try:
+        for name in names:
+            get_dataset(name)
+    except DatasetError as exc:
+        console.print(f"[red]fetch error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
+    reports = [fetch_dataset(name, cache=cache, mirror=mirror, progress=_say) for name in names]
+    failed = [r for r in reports if not r.ok]
+    _say(f"{len(reports) - len(failed)} of {len(reports)} dataset(s) verified in {Path(reports[0].folder).parent}"
+         + (f"; FAILED: {', '.join(r.dataset for r in failed)}" if failed else ""))
+    if failed:
+        raise typer.Exit(1)
 
 
 @data_app.command("prepare")

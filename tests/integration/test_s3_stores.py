@@ -55,3 +55,33 @@ def test_s3_audit_log_one_object_per_record(s3_bucket):
             if not o["Key"].endswith("/")]  # pyarrow also writes folder markers
     assert len(keys) == 2 and all(k.startswith("clarifier/registry/audit/") and k.endswith(".jsonl") for k in keys)
     assert [r["decision"] for r in log.records(model="m")] == ["promoted", "refused"]
+
+
+@pytest.mark.skipif(not (PUBLIC / "clariq").is_dir(),
+                    reason=f"public datasets not found at {PUBLIC} (../shared beside the repository)")
+def test_dataset_ref_read_from_an_s3_mirror_and_verified(s3_bucket, tmp_path, monkeypatch):
+    from clarifier.core.config import build_config
+    from clarifier.data.datasets import DatasetError, DatasetNotFound
+    from clarifier.data.sources import materialize_sources
+    from clarifier.runtime import storage
+
+    monkeypatch.setenv("CLARIFIER_CACHE", str(tmp_path / "cache"))  # an empty download cache
+    mirror = f"s3://{s3_bucket}/public"
+    assert storage.upload_dir(PUBLIC / "clariq", f"{mirror}/clariq") == 4
+
+    def run(name: str):
+        cfg = build_config({"data": {"input": str(tmp_path / name), "mirror": mirror,
+                                     "sources": [{"importer": "clariq", "src": "dataset:clariq", "max_examples": 5}]}})
+        return materialize_sources(cfg.data, lambda m: None)["clariq"]
+
+    rep = run("in")
+    assert rep["read_from"] == f"{mirror}/clariq" and rep["imported"] == 237 and rep["kept"] == 5
+    storage.write_text(f"{mirror}/clariq/README.md", "not the published README\n")  # downloaded, then checked
+    with pytest.raises(DatasetError, match=r"data.sources\[clariq\]: the copy of clariq in s3://.*/public/clariq does "
+                                           r"not match the registry: README.md has 25 bytes, expected 33225"):
+        run("in2")
+    import boto3
+
+    boto3.client("s3").delete_object(Bucket=s3_bucket, Key="public/clariq/train.tsv")
+    with pytest.raises(DatasetNotFound, match=r"mirror s3://.*/public/clariq: train.tsv missing; download cache"):
+        run("in3")

@@ -105,22 +105,43 @@ class LabellingConfig(_Strict):
         return v
 
 
+DATASET_REF = "dataset:"  # src: dataset:<name> names a registered public dataset (clarifier.data.datasets)
+
+
 class SourceConfig(_Strict):
     """One dataset the data job imports into ``data.input`` before it runs (see clarifier.data.sources)."""
 
     importer: str = Field(..., description="Importer name (clariq, pacific, abgcoqa, claqua, a plugin's) or 'synthetic'.")
     name: str | None = Field(None, description="Name of this source in meta.source, counts and leave-one-out; default: the importer name.")
-    src: str = Field("", description="The dataset's folder (importers); unused for 'synthetic'.")
+    src: str = Field("", description="The dataset's folder or s3:// prefix (importers), or dataset:<name>: a registered "
+                                     "public dataset (clarifier.data.datasets), read from data.mirror or the download "
+                                     "cache (clarifier data fetch <name>); unused for 'synthetic'.")
     options: dict[str, Any] = Field(default_factory=dict, description="Importer options; synthetic: {conversations: N}.")
     max_examples: int | None = Field(None, ge=1, description="Keep at most this many examples, whole conversations in a seeded random order; the rest are counted as dropped_by_cap.")
+
+    @field_validator("src")
+    @classmethod
+    def _dataset_named(cls, v: str) -> str:
+        if v.startswith(DATASET_REF) and not v[len(DATASET_REF):].strip():
+            raise ValueError(f"{v!r} names no dataset: write {DATASET_REF}<name>, e.g. {DATASET_REF}clariq")
+        return v
 
     @property
     def source_name(self) -> str:
         return self.name or self.importer
 
+    @property
+    def dataset(self) -> str | None:
+        """The registered dataset that ``src: dataset:<name>`` names; None for a folder or s3:// prefix."""
+        return self.src[len(DATASET_REF):].strip() if self.src.startswith(DATASET_REF) else None
+
 
 class DataConfig(_Strict):
     input: str = Field("", description="Folder, file or s3:// prefix of conversation logs / examples.")
+    mirror: str | None = Field(
+        None, description="Local folder or s3:// prefix holding <name>/ copies of the registered public datasets: "
+                          "data.sources entries with src: dataset:<name> are read from there first, then from the "
+                          "download cache ($CLARIFIER_CACHE/datasets); null = $CLARIFIER_DATA_MIRROR, if set.")
     output: str = Field("", description="Where the data job writes Parquet splits and its manifest.")
     formats: list[Literal["jsonl", "jsonl.gz", "parquet"]] = Field(
         ["jsonl", "jsonl.gz", "parquet"], description="Input file kinds read under data.input (Parquet: one example or log per row).")

@@ -6,8 +6,12 @@ A recipe names its training data as a list of sources -- public datasets through
     data:
       input: .clarifier/recipes/joint-public/input      # owned by the sources: rewritten on every run
       sources:
-        - {importer: pacific, src: ../shared/data/public/pacific, max_examples: 600}
+        - {importer: pacific, src: dataset:pacific, max_examples: 600}   # a registered public dataset
+        - {importer: clariq, src: /data/clariq}                           # or a folder / s3:// prefix
         - {importer: synthetic, options: {conversations: 200}}
+
+``src: dataset:<name>`` is found in ``data.mirror`` or the download cache (``clarifier data fetch
+<name>``; see :mod:`clarifier.data.datasets`), verified against the registered sha256.
 
 Each source becomes ``<data.input>/<name>.jsonl`` (evaluation-set examples, ``meta.source=<name>``;
 synthetic: conversation logs under ``<name>/``), its skipped records ``<name>.skipped.json`` with
@@ -74,23 +78,45 @@ def _check_owned(input_uri: str) -> None:
             f"write (e.g. {files[0]}); point data.input at an empty or new folder")
 
 
-def _import_source(src: SourceConfig) -> tuple[list[Example], list[dict]]:
+def resolve_src(src: SourceConfig, mirror: str | None = None) -> str:
+    """Where a source's files are: ``src`` itself, or for ``dataset:<name>`` the verified copy in the
+    mirror (``mirror``, i.e. data.mirror, else $CLARIFIER_DATA_MIRROR) or the download cache."""
+    if not src.dataset:
+        return src.src
+    from clarifier.data.datasets import DatasetError, DatasetNotFound, resolve_dataset
+
+    try:
+        return resolve_dataset(src.dataset, mirror)
+    except (DatasetError, DatasetNotFound) as exc:
+        raise type(exc)(f"data.sources[{src.source_name}]: {exc}") from None
+
+
+def _import_source(src: SourceConfig, mirror: str | None = None) -> tuple[list[Example], list[dict], str]:
+    """``(examples, skipped, location read)``."""
     from clarifier.data.importers import get_importer, iter_dataset
     from clarifier.data.importers.base import Skipped
 
     get_importer(src.importer)  # names the available importers when it is unknown
     if not src.src:
         raise ValueError(f"data.sources[{src.source_name}]: 'src' (the dataset folder) is empty")
-    folder = src.src
+    location = folder = resolve_src(src, mirror)
     tmp = None
-    if storage.is_s3(src.src):  # importers read files: fetch the dataset's prefix first
+    if storage.is_s3(location):  # importers read files: fetch the dataset's prefix first
         import tempfile
 
         tmp = tempfile.TemporaryDirectory(prefix="clarifier-source-")
-        if not storage.download_prefix(src.src, tmp.name):
-            raise FileNotFoundError(f"data.sources[{src.source_name}]: no files under {src.src}")
+        if not storage.download_prefix(location, tmp.name):
+            raise FileNotFoundError(f"data.sources[{src.source_name}]: no files under {location}")
         folder = tmp.name
-    elif not Path(src.src).exists():
+        if src.dataset:  # the mirror's prefix was only checked for presence: verify what came
+            from clarifier.data.datasets import DatasetError, check_folder, get_dataset
+
+            problems = check_folder(get_dataset(src.dataset), folder)
+            if problems:
+                tmp.cleanup()
+                raise DatasetError(f"data.sources[{src.source_name}]: the copy of {src.dataset} in {location} does "
+                                   f"not match the registry: {'; '.join(problems)}")
+    elif not Path(location).exists():
         raise FileNotFoundError(
             f"data.sources[{src.source_name}]: src {src.src!r} does not exist (relative paths are relative to "
             f"the working directory {Path.cwd()})")
@@ -107,7 +133,7 @@ def _import_source(src: SourceConfig) -> tuple[list[Example], list[dict]]:
         else:
             item.meta["source"] = src.source_name
             examples.append(item)
-    return examples, skipped
+    return examples, skipped, location
 
 
 def materialize_sources(d: DataConfig, progress: Callable[[str], None] = print) -> dict:
@@ -132,14 +158,15 @@ def materialize_sources(d: DataConfig, progress: Callable[[str], None] = print) 
             report[name] = {"importer": SYNTHETIC, "conversations": n, "files": files}
             progress(f"[sources] {name}: {n} synthetic conversations")
             continue
-        examples, skipped = _import_source(src)
+        examples, skipped, location = _import_source(src, d.mirror)
         kept, dropped = cap_by_conversation(examples, src.max_examples, d.seed)
         uri = storage.join(d.input, f"{name}.jsonl")
         storage.write_text(uri, "".join(e.model_dump_json() + "\n" for e in kept))
         if skipped:
             storage.write_text(storage.join(d.input, f"{name}.skipped.json"), json.dumps(skipped, indent=1) + "\n")
         report[name] = {
-            "importer": src.importer, "src": src.src, "options": src.options, "imported": len(examples),
+            "importer": src.importer, "src": src.src, **({"read_from": location} if location != src.src else {}),
+            "options": src.options, "imported": len(examples),
             "imported_clarify": sum(e.needs_clarification for e in examples), "skipped": len(skipped),
             "kept": len(kept), "kept_clarify": sum(e.needs_clarification for e in kept),
             "dropped_by_cap": len(dropped), "max_examples": src.max_examples, "file": uri,

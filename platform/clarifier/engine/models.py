@@ -63,7 +63,9 @@ DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("CLARIFIER_CACHE", Path.home() / ".cache" / "clarifier")) / "models"
+    from clarifier.runtime.storage import cache_root
+
+    return cache_root() / "models"
 
 
 def _key(text: str) -> str:

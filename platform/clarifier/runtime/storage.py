@@ -34,6 +34,12 @@ def s3_max_attempts() -> int:
     return n
 
 
+def cache_root() -> Path:
+    """This machine's cache of the package: ``$CLARIFIER_CACHE``, else ``~/.cache/clarifier``
+    (``models/``: resolved base models, ``registry/``: registry downloads, ``datasets/``: public datasets)."""
+    return Path(os.environ.get("CLARIFIER_CACHE") or Path.home() / ".cache" / "clarifier")
+
+
 def set_s3_endpoint(url: str | None) -> None:
     """Export an endpoint override so every library in this process and its Ray workers use it."""
     if url:

@@ -80,7 +80,7 @@ def absolute_path(p: str) -> str:
 def portable_config(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> ClarifierConfig:
     """The config with local relative paths made absolute (the job runs in its own working dir)."""
     upd = {}
-    for section, key in (("storage", "root"), ("data", "input"), ("data", "output"), ("model", "cache_dir")):
+    for section, key in (("storage", "root"), ("data", "input"), ("data", "output"), ("data", "mirror"), ("model", "cache_dir")):
         v = getattr(getattr(cfg, section), key)
         if v and absolute_path(v) != v:
             upd.setdefault(section, {})[key] = absolute_path(v)
@@ -88,8 +88,8 @@ def portable_config(cfg: ClarifierConfig, progress: Callable[[str], None] = prin
     if Path(bm).expanduser().exists() and absolute_path(bm) != bm:
         upd.setdefault("model", {})["base_model"] = absolute_path(bm)
     srcs = [s.model_dump() for s in cfg.data.sources]
-    for s in srcs:
-        if s["src"] and absolute_path(s["src"]) != s["src"]:
+    for s, source in zip(srcs, cfg.data.sources):
+        if s["src"] and not source.dataset and absolute_path(s["src"]) != s["src"]:  # dataset:<name> is no path
             s["src"] = absolute_path(s["src"])
             upd.setdefault("data", {})["sources"] = srcs
     if not upd:

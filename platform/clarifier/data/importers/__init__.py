@@ -2,7 +2,8 @@
 
     from clarifier.data.importers import import_dataset, iter_dataset, get_importer, available_importers
 
-    res = import_dataset("pacific", "../shared/data/public/pacific", {"passages": False})
+    folder = resolve_dataset("pacific")              # clarifier.data.datasets: mirror or cache (data fetch)
+    res = import_dataset("pacific", folder, {"passages": False})
     res.examples, res.skipped, res.counts()        # every record read is an example or a skip
 
     for item in iter_dataset("claqua", folder):     # streaming: Example | Skipped, in source order

@@ -1,6 +1,6 @@
 """Write an import as evaluation-set JSONL (local file/folder or ``s3://``) plus a report.
 
-    report = export_dataset("pacific", "../shared/data/public/pacific", "out/", {"passages": "false"})
+    report = export_dataset("pacific", "/data/public/pacific", "out/", {"passages": "false"})
 
 ``out`` ending in ``.jsonl`` is one file holding every example; anything else is a folder /
 prefix that gets one ``<dataset>-<split>.jsonl`` per source split (``meta.split``). Beside the data
