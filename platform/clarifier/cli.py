@@ -406,6 +406,31 @@ def models_diff(name: str = typer.Argument(..., help="Registered model name."),
     _print_table(t)
 
 
+@models_app.command("package")
+def models_package(model: str = typer.Argument(..., help="Model folder or URI (runs:/..., models:/..., s3://...)."),
+                   name: str = typer.Option(..., "--name", help="Built-in name: the model is then builtin:<name>."),
+                   result: Optional[Path] = typer.Option(None, help="The recipe benchmark JSON that measured it (for the model card)."),
+                   row: str = typer.Option("joint", help="Its row in that result."),
+                   out: Optional[Path] = typer.Option(None, help="Folder to write <name>/ into; default: the package's built-in models."),
+                   config: Optional[Path] = ConfigOpt):
+    """Package a trained LoRA model as a built-in model: bf16 safetensors + tokenizer + MODEL_CARD.md."""
+    from clarifier.engine.loading import resolve_model
+    from clarifier.engine.models import ModelResolutionError
+    from clarifier.recipes.ship import PackageError, package_model
+    from clarifier.runtime.mlflow_uri import tracking_uri
+
+    cfg = _cfg(config, [])
+    try:
+        folder = resolve_model(model, tracking_uri=tracking_uri(cfg.tracking.tracking_uri)).folder
+        measured = json.loads(result.read_text()) if result else None
+        dst = package_model(folder, name, out_root=out, result=measured, row=row)
+    except (PackageError, ModelResolutionError, FileNotFoundError, json.JSONDecodeError) as exc:
+        console.print(f"[red]package error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
+    size = sum(p.stat().st_size for p in dst.iterdir()) / 2**20
+    _say(f"packaged builtin:{name} -> {dst} ({size:.1f} MB); card: {dst / 'MODEL_CARD.md'}")
+
+
 @recipe_app.command("list")
 def recipe_list():
     """The named recipes and their benchmark plans."""

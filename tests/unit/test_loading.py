@@ -12,7 +12,7 @@ def test_a_folder_resolves_to_itself(tmp_path):
 
 
 def test_a_missing_folder_names_what_is_accepted(tmp_path):
-    with pytest.raises(ModelResolutionError, match=r"not a folder, s3:// prefix or models:/, runs:/ URI"):
+    with pytest.raises(ModelResolutionError, match=r"not a folder, s3:// prefix or builtin:/, models:/, runs:/ URI"):
         resolve_model(str(tmp_path / "nope"))
 
 

@@ -1,7 +1,7 @@
 """Where a model comes from and which engine runs it: :func:`resolve_model` and :func:`load_engine`.
 
 A model is named by a URI. A folder or ``s3://`` prefix is resolved here; any other scheme
-(``models:/name@alias``, ``runs:/<id>/adapter``) goes to the resolver registered for it, MLflow's
+(``models:/name@alias``, ``runs:/<id>/adapter``, ``builtin:<name>``) goes to the resolver registered for it, MLflow's
 way: an entry point in the group ``clarifier.model_uri_schemes`` (name = scheme, value =
 ``module:function(uri, cache_dir, tracking_uri) -> ResolvedModel``). The registry stage
 (:mod:`clarifier.registry.registry`) provides ``models`` and ``runs``; a source checkout that is not
@@ -33,6 +33,7 @@ SCHEME_GROUP = "clarifier.model_uri_schemes"
 _BUILTIN_SCHEMES = {  # what pyproject.toml registers, for a checkout that is not pip-installed
     "models": "clarifier.registry.registry:resolve_registry_uri",
     "runs": "clarifier.registry.registry:resolve_registry_uri",
+    "builtin": "clarifier.engine.builtin:resolve_builtin_uri",
 }
 
 
@@ -65,8 +66,11 @@ def resolve_model(uri: str | Path, cache_dir: str | Path | None = None, tracking
     if storage.is_s3(uri):
         key = "s3-" + hashlib.sha256(uri.encode()).hexdigest()[:16]
         return ResolvedModel(download_once(key, cache_dir, lambda dst: storage.download_prefix(uri, dst) and dst), uri)
-    scheme = uri.split(":/", 1)[0] if ":/" in uri else ""
-    if scheme and not Path(uri).expanduser().is_dir() and len(scheme) > 1:  # "C:/..." is a drive, not a scheme
+    scheme = uri.split(":", 1)[0] if ":" in uri else ""
+    # "scheme:/..." of any scheme (an unknown one gets the list), or "name:rest" of a registered one
+    # (builtin:clarifier-smollm2-135m); "C:/..." is a drive, not a scheme.
+    if (len(scheme) > 1 and not Path(uri).expanduser().is_dir()
+            and (uri.startswith(f"{scheme}:/") or scheme in _schemes())):
         return scheme_resolver(scheme)(uri, cache_dir=cache_dir, tracking_uri=tracking_uri)
     p = Path(uri).expanduser()
     if not p.is_dir():

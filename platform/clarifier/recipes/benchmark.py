@@ -62,6 +62,9 @@ class BenchmarkPlan(_Strict):
     leave_one_out: LeaveOneOutPlan = LeaveOneOutPlan()
     error_analysis: ErrorAnalysisPlan = ErrorAnalysisPlan()
     grounding_source: str = Field("synthetic", description="Source whose gold grounding the grounding columns are measured on.")
+    keep_models: list[str] = Field(["joint"], description="Rows whose trained model folder is kept under "
+                                                          "<workdir>/models/<row> (for `clarifier models package`); "
+                                                          "the others are deleted after evaluation (MLflow keeps them).")
     source_only: bool = Field(True, description="Add the source-only control row (scores a turn by its source's clarify "
                                                 "share in the train split) and the control on the training mix.")
 
@@ -158,9 +161,11 @@ def learning_curve(run_id: str) -> list[dict]:
     return [points[s] for s in sorted(points)]
 
 
-def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progress: Progress) -> tuple[list, float, float]:
-    """Predictions of a freshly trained model folder, which is then deleted: it is a temporary copy
-    (0.5 GB after full fine-tuning) of what the run logged to MLflow (the row's ``model_uri``)."""
+def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progress: Progress,
+                   keep: Path | None = None) -> tuple[list, float, float]:
+    """Predictions of a freshly trained model folder, which is then deleted (it is a temporary copy,
+    0.5 GB after full fine-tuning, of what the run logged to MLflow: the row's ``model_uri``) or,
+    with ``keep``, moved there."""
     import shutil
 
     from clarifier.engine.loading import load_engine
@@ -172,7 +177,12 @@ def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progres
                            progress=lambda d, n: progress(f"[eval] {d}/{n}") if d == n or d % 64 == 0 else None)
     thr = engine.threshold
     del engine
-    shutil.rmtree(model_dir, ignore_errors=True)
+    if keep is not None:
+        shutil.rmtree(keep, ignore_errors=True)
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(model_dir, keep)
+    else:
+        shutil.rmtree(model_dir, ignore_errors=True)
     return preds, thr, round(time.time() - t0, 1)
 
 
@@ -258,7 +268,7 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
     from clarifier.core.schema import sample_by_source, source_of
     from clarifier.evaluation.baselines import baseline_predictions
     from clarifier.evaluation.error_analysis import analyse
-    from clarifier.evaluation.evaluate import similarity_fn_for
+    from clarifier.evaluation.evaluate import fingerprint_examples, similarity_fn_for
 
     base = load_config(recipe_path(plan.recipe), plan.overrides)
     base.storage.root = str(workdir / "storage")
@@ -319,8 +329,10 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
         with clock.stage(f"train {name} ({' '.join(extra) or 'the recipe'})"):
             tr = _train(cfg, progress)
         with clock.stage(f"evaluate {name}"):
-            preds, thr, secs = _predict_model(tr.pop("model_dir"), examples, cfg, progress)
-            add_row(name, "trained", preds, overrides=extra, threshold=thr, eval_seconds=secs, **tr)
+            keep = workdir / "models" / name if name in plan.keep_models else None
+            preds, thr, secs = _predict_model(tr.pop("model_dir"), examples, cfg, progress, keep)
+            add_row(name, "trained", preds, overrides=extra, threshold=thr, eval_seconds=secs, **tr,
+                    **({"model_dir": str(keep)} if keep else {}))
 
     from clarifier.core.metrics import paired_bootstrap
 
@@ -371,7 +383,7 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
         "code": {"clarifier_version": clarifier.__version__, "git_commit": git_commit()},
         "data": {"output": base.data.output, "sources": manifest.get("sources"), "counts": manifest["counts"],
                  "silver_grounding": manifest.get("silver_grounding")},
-        "eval_set": {"n": len(examples), "by_source": {s: {"n": n, "clarify": c} for s, (n, c) in by_source.items()},
+        "eval_set": {"n": len(examples), "fingerprint": fingerprint_examples(examples), "by_source": {s: {"n": n, "clarify": c} for s, (n, c) in by_source.items()},
                      "split": base.eval.split, "per_source_cap": plan.eval_per_source,
                      "clarify_share": plan.eval_clarify_share,
                      "split_by_source": {s: {"n": sum(source_of(e) == s for e in test),
