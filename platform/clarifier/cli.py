@@ -109,12 +109,19 @@ def show_config(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str
 
 @data_app.command("synth")
 def data_synth(out: str = typer.Option(..., help="Folder or s3:// prefix for JSONL shards."),
-               n: int = typer.Option(400, help="Number of conversations."), seed: int = 0, shards: int = 4):
+               n: int = typer.Option(400, help="Number of conversations."), seed: int = 0, shards: int = 4,
+               generator: str = typer.Option("synthetic", help="synthetic (ambiguity from the history) or "
+                                             "synthetic_rag (ambiguity in each turn's retrieved passages).")):
     """Write synthetic multi-turn conversation logs with gold labels."""
-    from clarifier.data.synthetic import write_logs
+    import importlib
 
-    files = write_logs(out, n, seed=seed, shards=shards)
-    _say(f"wrote {n} conversations to {len(files)} files under {out}")
+    from clarifier.data.sources import GENERATORS
+
+    if generator not in GENERATORS:
+        console.print(f"[red]--generator {escape(generator)!r} is not one of {', '.join(GENERATORS)}[/red]")
+        raise typer.Exit(2)
+    files = importlib.import_module(GENERATORS[generator]).write_logs(out, n, seed=seed, shards=shards)
+    _say(f"wrote {n} {generator} conversations to {len(files)} files under {out}")
 
 
 @data_app.command("import")

@@ -35,6 +35,17 @@ def test_config_error_names_the_key_and_exits_2():
     assert res.exit_code == 2 and "train.max_stepz" in res.output
 
 
+def test_data_synth_writes_either_generator(tmp_path):
+    res = runner.invoke(app, ["data", "synth", "--out", str(tmp_path / "rag"), "--n", "5", "--shards", "2",
+                              "--generator", "synthetic_rag"])
+    assert res.exit_code == 0, res.output
+    assert "wrote 5 synthetic_rag conversations to 2 files" in res.output
+    lines = [line for f in (tmp_path / "rag").glob("*.jsonl") for line in f.read_text().splitlines()]
+    assert len(lines) == 5 and all('"passages"' in line for line in lines)
+    res = runner.invoke(app, ["data", "synth", "--out", str(tmp_path / "x"), "--generator", "nope"])
+    assert res.exit_code == 2 and "synthetic, synthetic_rag" in res.output
+
+
 def test_job_entrypoints_run_as_scripts():
     for job, words in [("prepare_data.py", "data.input"), ("train.py", "overrides"), ("evaluate.py", "--model"),
                        ("register.py", "--run-id"), ("quickstart.py", "--workdir")]:

@@ -95,6 +95,20 @@ def test_positive_negative_and_unknown_turns():
     assert set(f.reason for f in res.filtered) <= set(FILTER_REASONS)
 
 
+def test_rule_labelled_turns_keep_their_own_passages_and_meta():
+    log = ConversationLog.model_validate({"conversation_id": "r", "passages": [{"id": "c", "text": "conversation-level"}],
+                                          "meta": {"tenant": "t1"}, "turns": [
+        {"role": "user", "text": "what's the limit?", "passages": [{"id": "p1", "text": "ATM limit"}], "meta": {"retriever": "bm25"}},
+        {"role": "assistant", "text": "Do you mean the ATM limit or the credit limit?"},
+        {"role": "user", "text": "the credit limit"},
+        {"role": "assistant", "text": "It is 5,000."}]})
+    pos, neg = label_conversation(log, RULES).examples
+    assert pos.needs_clarification and [p.text for p in pos.passages] == ["ATM limit"]
+    assert pos.meta["retriever"] == "bm25" and pos.meta["tenant"] == "t1" and pos.meta["label_source"] == "rules"
+    assert not neg.needs_clarification and [p.text for p in neg.passages] == ["conversation-level"]
+    assert "retriever" not in neg.meta
+
+
 def test_clarification_without_user_reply_is_filtered():
     res = label_conversation(_log(("user", "reset it"), ("assistant", "Which one, the router or the modem?")), RULES)
     assert res.examples == [] and [(f.turn_index, f.reason) for f in res.filtered] == [(0, "clarification_unanswered")]

@@ -77,10 +77,30 @@ def test_materialize_refuses_a_folder_it_does_not_own_and_names_bad_sources(tmp_
     with pytest.raises(FileNotFoundError, match=r"data.sources\[pacific\]: src .* does not exist"):
         materialize_sources(bad.data, lambda m: None)
     unknown = build_config({"data": {"input": str(tmp_path / "new2"), "sources": [{"importer": "nosuch", "src": "x"}]}})
-    with pytest.raises(KeyError, match="no importer named 'nosuch'"):
+    with pytest.raises(KeyError, match=r"data.sources\[nosuch\]: no importer named 'nosuch'.*generators: synthetic, synthetic_rag"):
         materialize_sources(unknown.data, lambda m: None)
     with pytest.raises(ConfigError, match="source names must be unique"):
         build_config({"data": {"sources": [{"importer": "synthetic"}, {"importer": "synthetic"}]}})
+
+
+def test_generator_sources_write_conversation_logs_and_check_their_options(tmp_path):
+    from clarifier.data.synthetic_rag import generate_conversations
+
+    cfg = build_config({"data": {"input": str(tmp_path / "in"), "seed": 4, "sources": [
+        {"importer": "synthetic_rag", "options": {"conversations": 6, "seed": 2}},
+        {"importer": "synthetic_rag", "name": "rag_default_seed", "options": {"conversations": 3}}]}})
+    msgs = []
+    rep = materialize_sources(cfg.data, msgs.append)
+    assert rep["synthetic_rag"]["conversations"] == 6 and rep["synthetic_rag"]["seed"] == 2
+    assert rep["rag_default_seed"]["seed"] == 4  # data.seed
+    lines = [json.loads(x) for f in sorted((tmp_path / "in" / "synthetic_rag").glob("*.jsonl")) for x in f.read_text().splitlines()]
+    assert sorted(c["conversation_id"] for c in lines) == sorted(c["conversation_id"] for c in generate_conversations(6, 2))
+    assert any("6 synthetic_rag conversations" in m for m in msgs)
+    for bad, match in [({"options": {"conversations": 2, "shards": 3}}, r"unknown synthetic_rag options \['shards'\]"),
+                       ({"max_examples": 5}, "take options.conversations, not max_examples")]:
+        cfg = build_config({"data": {"input": str(tmp_path / "other"), "sources": [{"importer": "synthetic_rag", **bad}]}})
+        with pytest.raises(ValueError, match=match):
+            materialize_sources(cfg.data, lambda m: None)
 
 
 def test_source_of():

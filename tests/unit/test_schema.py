@@ -62,6 +62,35 @@ def test_conversation_log_explodes_labelled_user_turns():
     assert exs[1].conversation_id == "c1" and exs[1].meta["domain"] == "devices"
 
 
+def test_conversation_log_turn_passages_and_meta_override_the_conversations():
+    """RAG logs: each user turn carries what retrieval returned for it; absent = the conversation's."""
+    log = ConversationLog.model_validate({
+        "conversation_id": "c2", "passages": [{"id": "p1", "text": "shared"}], "meta": {"source": "s", "kind": "log"},
+        "turns": [
+            {"role": "user", "text": "what's the limit?", "passages": [{"id": "p1", "text": "ATM limit"}, {"id": "p2", "text": "credit limit"}],
+             "meta": {"kind": "rag_ambiguous"},
+             "label": {"needs_clarification": True, "clarifying_question": "ATM or credit?", "grounding_passages": ["p1", "p2"]}},
+            {"role": "assistant", "text": "ATM or credit?"},
+            {"role": "user", "text": "credit", "label": {"needs_clarification": False}},
+            {"role": "assistant", "text": "It's 5,000."},
+            {"role": "user", "text": "thanks", "passages": [], "label": {"needs_clarification": False}},
+        ]})
+    a, b, c = log.explode()
+    assert [p.text for p in a.passages] == ["ATM limit", "credit limit"] and a.grounding_passages == ["p1", "p2"]
+    assert a.meta == {"source": "s", "kind": "rag_ambiguous", "conversation_id": "c2", "turn_index": 0}
+    assert [p.text for p in b.passages] == ["shared"] and b.meta["kind"] == "log"
+    assert c.passages == []  # an empty list is "retrieval returned nothing", not "absent"
+    bad = {"conversation_id": "c3", "turns": [{"role": "user", "text": "q"},
+                                               {"role": "assistant", "text": "a", "passages": [{"id": "p", "text": "t"}]}]}
+    with pytest.raises(ValidationError, match=r"turns\[1\]: only user turns can carry passages"):
+        ConversationLog.model_validate(bad)
+    wrong = {"conversation_id": "c4", "turns": [{"role": "user", "text": "q", "passages": [{"id": "p1", "text": "t"}],
+                                                  "label": {"needs_clarification": True, "clarifying_question": "?",
+                                                            "grounding_passages": ["p9"]}}]}
+    with pytest.raises(ValueError, match=r"turn 0: .*p9"):
+        ConversationLog.model_validate(wrong).explode()
+
+
 def test_conversation_log_bad_label_names_the_turn():
     log = ConversationLog.model_validate({
         "conversation_id": "c1",

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from clarifier.core.schema import Example, Passage, Turn
+from clarifier.data.stages import dedup_key
 from clarifier.data.synthetic import generate_conversations
 from clarifier.data.validate import RAW_LIMIT, parse_line
 
@@ -158,3 +160,17 @@ def test_empty_line_and_raw_truncation():
 def test_never_raises(line):
     examples, q = parse_line(line, "x", 1)
     assert examples == [] and q is not None and q["reason"]
+
+
+def test_passages_are_part_of_the_dedup_identity():
+    """The data job drops exact duplicates; the same query after the same history is another input
+    when retrieval returned other passages (here: one reading vs two)."""
+    h = [Turn(role="user", text="hi")]
+    one = Example(id="a", history=h, query="what's the limit?", needs_clarification=False,
+                  passages=[Passage(id="p1", text="Debit card limit: $500.")])
+    two = Example(id="b", history=h, query="what's the limit?", needs_clarification=True, clarifying_question="Which?",
+                  passages=[Passage(id="p1", text="Debit card limit: $500."), Passage(id="p2", text="Credit limit: $5,000.")])
+    assert dedup_key(one) != dedup_key(two)
+    assert dedup_key(one) == dedup_key(one.model_copy(update={"id": "c"}))
+    bare = Example(id="d", history=h, query="what's the limit?", needs_clarification=False)
+    assert dedup_key(bare) != dedup_key(one) and dedup_key(bare) == dedup_key(bare.model_copy(update={"id": "e"}))

@@ -111,12 +111,12 @@ DATASET_REF = "dataset:"  # src: dataset:<name> names a registered public datase
 class SourceConfig(_Strict):
     """One dataset the data job imports into ``data.input`` before it runs (see clarifier.data.sources)."""
 
-    importer: str = Field(..., description="Importer name (clariq, pacific, abgcoqa, claqua, a plugin's) or 'synthetic'.")
+    importer: str = Field(..., description="Importer name (clariq, pacific, abgcoqa, claqua, a plugin's) or a generator: 'synthetic' (ambiguity from the history), 'synthetic_rag' (ambiguity in the retrieved passages).")
     name: str | None = Field(None, description="Name of this source in meta.source, counts and leave-one-out; default: the importer name.")
     src: str = Field("", description="The dataset's folder or s3:// prefix (importers), or dataset:<name>: a registered "
                                      "public dataset (clarifier.data.datasets), read from data.mirror or the download "
-                                     "cache (clarifier data fetch <name>); unused for 'synthetic'.")
-    options: dict[str, Any] = Field(default_factory=dict, description="Importer options; synthetic: {conversations: N}.")
+                                     "cache (clarifier data fetch <name>); unused for the generators.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Importer options; generators: {conversations: N, seed: S} (defaults data.synthetic_conversations, data.seed).")
     max_examples: int | None = Field(None, ge=1, description="Keep at most this many examples, whole conversations in a seeded random order; the rest are counted as dropped_by_cap.")
 
     @field_validator("src")

@@ -5,7 +5,9 @@ Two input shapes are accepted by the data job (see README "Data formats"):
 * **Example** -- the evaluation-set format of the product contract: one user turn to decide on,
   with its prior ``history``, optional ``passages`` and the gold decision, question and grounding.
 * **ConversationLog** -- a whole conversation; every user turn that carries a ``label`` becomes one
-  Example whose history is the turns before it.
+  Example whose history is the turns before it. Its passages are the turn's own ``passages`` (what
+  retrieval returned for that turn) when the turn has them, else the conversation's ``passages``;
+  a turn's ``meta`` is merged over the conversation's ``meta``.
 
 Everything here is pure pydantic: no Ray, no MLflow.
 """
@@ -96,7 +98,13 @@ class TurnLabel(BaseModel):
 
 
 class LogTurn(Turn):
+    """A turn of a conversation log; only user turns may carry ``label``, ``passages`` or ``meta``."""
+
     label: TurnLabel | None = None
+    passages: list[Passage] | None = Field(
+        None, description="Passages retrieved for this user turn; None (absent) = the conversation's passages.")
+    meta: dict[str, Any] | None = Field(
+        None, description="Per-turn metadata, merged over the conversation's meta in this turn's example.")
 
 
 class ConversationLog(BaseModel):
@@ -117,6 +125,28 @@ class ConversationLog(BaseModel):
             raise ValueError("conversation has no turns")
         return v
 
+    @model_validator(mode="after")
+    def _per_turn_fields_on_user_turns(self) -> "ConversationLog":
+        for i, t in enumerate(self.turns):
+            extra = [k for k in ("passages", "meta") if getattr(t, k)]  # empty ones say nothing: tolerated
+            if extra and t.role != "user":
+                raise ValueError(f"turns[{i}]: only user turns can carry {' and '.join(extra)} (role is {t.role!r})")
+        return self
+
+    def turn_passages(self, i: int) -> list[Passage]:
+        """The passages shown with user turn ``i``: its own, else the conversation's."""
+        own = self.turns[i].passages
+        return list(own) if own is not None else list(self.passages)
+
+    def turn_meta(self, i: int) -> dict[str, Any]:
+        """The meta of turn ``i``'s example: the conversation's, the turn's over it, then
+        ``conversation_id``, ``turn_index`` and ``domain`` (when the log has one)."""
+        meta = {**self.meta, **(self.turns[i].meta or {})}
+        meta.update({"conversation_id": self.conversation_id, "turn_index": i})
+        if self.domain:
+            meta["domain"] = self.domain
+        return meta
+
     def explode(self) -> list[Example]:
         """One Example per labelled user turn; raises ValueError naming the turn on bad labels."""
         out: list[Example] = []
@@ -125,18 +155,14 @@ class ConversationLog(BaseModel):
                 continue
             if turn.role != "user":
                 raise ValueError(f"turn {i}: only user turns can carry a label (role is {turn.role!r})")
-            meta = dict(self.meta)
-            meta.update({"conversation_id": self.conversation_id, "turn_index": i})
-            if self.domain:
-                meta["domain"] = self.domain
             try:
                 out.append(
                     Example(
                         id=f"{self.conversation_id}:{i}",
                         history=[Turn(role=t.role, text=t.text) for t in self.turns[:i]],
                         query=turn.text,
-                        passages=self.passages,
-                        meta=meta,
+                        passages=self.turn_passages(i),
+                        meta=self.turn_meta(i),
                         **turn.label.model_dump(),
                     )
                 )

@@ -168,9 +168,6 @@ def label_conversation(log: ConversationLog, rules: LabellingConfig) -> Labelled
     """
     out = LabelledConversation()
     turns = log.turns
-    base_meta = dict(log.meta)
-    if log.domain:
-        base_meta["domain"] = log.domain
     for i, turn in enumerate(turns):
         if turn.role != "user":
             continue
@@ -189,8 +186,8 @@ def label_conversation(log: ConversationLog, rules: LabellingConfig) -> Labelled
             out.filtered.append(FilteredTurn(i, "empty_reply", turn.text))
             continue
         history = [Turn(role=t.role, text=t.text) for t in turns[:i]]
-        meta = dict(base_meta)
-        meta.update({"conversation_id": log.conversation_id, "turn_index": i, "label_source": "rules"})
+        meta = log.turn_meta(i)
+        meta["label_source"] = "rules"
         if is_clarifying_question(reply.text, rules):
             k = _next_non_system(turns, j + 1)
             if k is None or turns[k].role != "user":
@@ -202,10 +199,10 @@ def label_conversation(log: ConversationLog, rules: LabellingConfig) -> Labelled
             ex = Example(id=f"{log.conversation_id}:{i}", history=history, query=turn.text,
                          needs_clarification=True, clarifying_question=question,
                          grounding_turns=lexical_grounding(question, turn.text, history, rules),
-                         passages=log.passages, meta=meta)
+                         passages=log.turn_passages(i), meta=meta)
         else:
             meta["labelling_rule"] = "direct_answer"
             ex = Example(id=f"{log.conversation_id}:{i}", history=history, query=turn.text,
-                         needs_clarification=False, passages=log.passages, meta=meta)
+                         needs_clarification=False, passages=log.turn_passages(i), meta=meta)
         out.examples.append(ex)
     return out

@@ -17,7 +17,7 @@ Stages (all Ray Data, nothing but small counts is collected in the driver):
    rows with reason ``labelling:<rule>``), bad lines become a quarantine row (source, line, reason, raw);
 3. **split** by conversation: ``sha256(seed:conversation_id)`` mapped to [0, 1) against the
    ``data.split`` fractions, so a conversation never lands in two splits;
-4. **deduplicate** exact duplicates (same history and query): a hash aggregate over the keys
+4. **deduplicate** exact duplicates (same history, query and passages): a hash aggregate over the keys
    alone (``dedup_key``, ``order_key``; the examples themselves are not shuffled) finds each key
    seen more than once and its first row (by source, line, id); only those keys reach the driver,
    and the rows after the first are filtered with reason ``duplicate`` as they stream past;

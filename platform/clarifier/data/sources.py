@@ -9,12 +9,18 @@ A recipe names its training data as a list of sources -- public datasets through
         - {importer: pacific, src: dataset:pacific, max_examples: 600}   # a registered public dataset
         - {importer: clariq, src: /data/clariq}                           # or a folder / s3:// prefix
         - {importer: synthetic, options: {conversations: 200}}
+        - {importer: synthetic_rag, options: {conversations: 300, seed: 3}}
+
+The generators (``GENERATORS``: ``synthetic`` -- :mod:`clarifier.data.synthetic`, ambiguity from the
+history; ``synthetic_rag`` -- :mod:`clarifier.data.synthetic_rag`, ambiguity in the retrieved passages)
+take ``options.conversations`` (default ``data.synthetic_conversations``) and ``options.seed``
+(default ``data.seed``) and need no ``src``.
 
 ``src: dataset:<name>`` is found in ``data.mirror`` or the download cache (``clarifier data fetch
 <name>``; see :mod:`clarifier.data.datasets`), verified against the registered sha256.
 
 Each source becomes ``<data.input>/<name>.jsonl`` (evaluation-set examples, ``meta.source=<name>``;
-synthetic: conversation logs under ``<name>/``), its skipped records ``<name>.skipped.json`` with
+generators: conversation logs under ``<name>/``), its skipped records ``<name>.skipped.json`` with
 reasons, and ``_sources.json`` lists what was written with the counts. ``max_examples`` keeps whole
 conversations in a seeded random order; what it drops is counted (``dropped_by_cap``), never silent.
 The folder is owned by the sources: a ``data.input`` that holds files they did not write is refused.
@@ -23,6 +29,7 @@ The folder is owned by the sources: a ``data.input`` that holds files they did n
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from pathlib import Path
 from typing import Callable
@@ -33,6 +40,10 @@ from clarifier.core.schema import Example
 
 OWNER_FILE = "_sources.json"
 SYNTHETIC = "synthetic"
+SYNTHETIC_RAG = "synthetic_rag"
+# Conversation-log generators usable as a source's importer: name -> module with write_logs(uri, n, seed=).
+GENERATORS = {SYNTHETIC: "clarifier.data.synthetic", SYNTHETIC_RAG: "clarifier.data.synthetic_rag"}
+GENERATOR_OPTIONS = ("conversations", "seed")
 
 
 def _order_key(seed: int, conversation_id: str) -> str:
@@ -96,7 +107,10 @@ def _import_source(src: SourceConfig, mirror: str | None = None) -> tuple[list[E
     from clarifier.data.importers import get_importer, iter_dataset
     from clarifier.data.importers.base import Skipped
 
-    get_importer(src.importer)  # names the available importers when it is unknown
+    try:
+        get_importer(src.importer)  # names the available importers when it is unknown
+    except KeyError as exc:
+        raise KeyError(f"data.sources[{src.source_name}]: {exc.args[0]}; generators: {', '.join(GENERATORS)}") from None
     if not src.src:
         raise ValueError(f"data.sources[{src.source_name}]: 'src' (the dataset folder) is empty")
     location = folder = resolve_src(src, mirror)
@@ -136,6 +150,22 @@ def _import_source(src: SourceConfig, mirror: str | None = None) -> tuple[list[E
     return examples, skipped, location
 
 
+def _generate_source(src: SourceConfig, d: DataConfig) -> dict:
+    """Write a generator source's conversation logs under ``<data.input>/<name>/``; its report entry."""
+    name = src.source_name
+    if src.max_examples is not None:
+        raise ValueError(f"data.sources[{name}]: {src.importer} sources take options.conversations, not max_examples")
+    unknown = set(src.options) - set(GENERATOR_OPTIONS)
+    if unknown:
+        raise ValueError(f"data.sources[{name}]: unknown {src.importer} options {sorted(unknown)} "
+                         f"(known: {', '.join(GENERATOR_OPTIONS)})")
+    n = int(src.options.get("conversations", d.synthetic_conversations))
+    seed = int(src.options.get("seed", d.seed))
+    write_logs = importlib.import_module(GENERATORS[src.importer]).write_logs
+    files = write_logs(storage.join(d.input, name), n, seed=seed)
+    return {"importer": src.importer, "conversations": n, "seed": seed, "files": files}
+
+
 def materialize_sources(d: DataConfig, progress: Callable[[str], None] = print) -> dict:
     """Import every ``d.sources`` entry into ``d.input``; returns the per-source counts (also in ``_sources.json``)."""
     if not d.input:
@@ -145,18 +175,9 @@ def materialize_sources(d: DataConfig, progress: Callable[[str], None] = print) 
     report: dict[str, dict] = {}
     for src in d.sources:
         name = src.source_name
-        if src.importer == SYNTHETIC:
-            from clarifier.data.synthetic import write_logs
-
-            if src.max_examples is not None:
-                raise ValueError(f"data.sources[{name}]: synthetic sources take options.conversations, not max_examples")
-            unknown = set(src.options) - {"conversations", "seed"}
-            if unknown:
-                raise ValueError(f"data.sources[{name}]: unknown synthetic options {sorted(unknown)} (known: conversations, seed)")
-            n = int(src.options.get("conversations", d.synthetic_conversations))
-            files = write_logs(storage.join(d.input, name), n, seed=int(src.options.get("seed", d.seed)))
-            report[name] = {"importer": SYNTHETIC, "conversations": n, "files": files}
-            progress(f"[sources] {name}: {n} synthetic conversations")
+        if src.importer in GENERATORS:
+            report[name] = _generate_source(src, d)
+            progress(f"[sources] {name}: {report[name]['conversations']} {src.importer} conversations")
             continue
         examples, skipped, location = _import_source(src, d.mirror)
         kept, dropped = cap_by_conversation(examples, src.max_examples, d.seed)

@@ -66,9 +66,14 @@ ENCODED_SCHEMA = pa.schema([PARSED_SCHEMA.field(n) for n in EXAMPLE_FIELDS] + [
 
 
 def dedup_key(ex: Example) -> str:
-    """Identity of an example's input: its history (roles and texts) and query."""
-    payload = json.dumps([[[t.role, t.text] for t in ex.history], ex.query], ensure_ascii=False)
-    return hashlib.sha256(payload.encode()).hexdigest()
+    """Identity of an example's input: its history (roles and texts), query and passages (ids and
+    texts; left out when there are none, so passage-free examples keep their earlier keys). The same
+    query after the same history with other passages is another input: in RAG logs it can need
+    clarification with one retrieval and not with another."""
+    parts: list = [[[t.role, t.text] for t in ex.history], ex.query]
+    if ex.passages:
+        parts.append([[p.id, p.text] for p in ex.passages])
+    return hashlib.sha256(json.dumps(parts, ensure_ascii=False).encode()).hexdigest()
 
 
 def order_key(source: str, line: int, example_id: str, label: bool) -> str:
@@ -191,7 +196,7 @@ def mark_duplicates(batch: pa.Table, *, first: dict[str, str]) -> pa.Table:
         _, _, kept_id, kept_label = kept.split("\x00")
         conflict = " with a different label" if int(bool(labels[k])) != int(kept_label) else ""
         status[k] = "duplicate"
-        reason[k] = f"duplicate of {kept_id} (same history and query{conflict})"
+        reason[k] = f"duplicate of {kept_id} (same history, query and passages{conflict})"
     batch = batch.set_column(batch.schema.get_field_index("status"), "status", pa.array(status, pa.string()))
     return batch.set_column(batch.schema.get_field_index("reason"), "reason", pa.array(reason, pa.string()))
 
