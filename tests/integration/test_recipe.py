@@ -20,6 +20,9 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     from mlflow import MlflowClient
 
     from clarifier.recipes.benchmark import run_benchmark
+    from support.tinymodel import build_tiny_bert
+
+    tiny_bert = build_tiny_bert(tmp_path / "tiny-bert")
 
     recipe = {
         "data": {
@@ -44,6 +47,8 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
         "eval_per_source": 5,
         "zero_shot": {"zero_shot_tiny": str(tiny_model_dir)},
         "variants": {"joint": [], "joint_no_class_weighting": ["train.decision_loss.kind=ce"]},
+        "encoders": {"encoder_tiny": {"base_model": str(tiny_bert), "max_steps": 3, "batch_size": 4, "max_length": 128,
+                                      "leave_one_out_max_minutes": 5}},
         "leave_one_out": {"sources": ["clariq"], "overrides": ["train.max_steps=1"]},
         "error_analysis": {"row": "joint", "decisions": 3, "questions": 3},
     }
@@ -54,7 +59,7 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
 
     # every row, scored on the same evaluation set, overall and per source
     assert list(result["rows"]) == ["never_ask", "always_ask", "lexical", "source_only", "zero_shot_tiny", "joint",
-                                    "joint_no_class_weighting"]
+                                    "joint_no_class_weighting", "encoder_tiny"]
     by_source = result["eval_set"]["by_source"]
     assert set(by_source) == {"clariq", "pacific", "synthetic"} and all(v["n"] <= 5 for v in by_source.values())
     n = result["eval_set"]["n"]
@@ -76,6 +81,14 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     assert zs["calibration"]["rule"] == "over_asking<=0.1" and zs["calibration"]["n"] > 0  # the product's default
     joint = result["rows"]["joint"]
     assert joint["steps"] == 2 and 0.0 <= joint["threshold"] <= 1.0
+    enc = result["rows"]["encoder_tiny"]  # trained on the train split, calibrated on dev, saved under the work folder
+    assert enc["kind"] == "encoder" and enc["steps"] == 3 and enc["threshold"] == enc["calibration"]["threshold"]
+    assert enc["calibration"]["rule"] == "over_asking<=0.1" and enc["train_examples"] == result["data"]["counts"]["splits"]["train"]["examples"]
+    assert set(enc["sources"]) == {"clariq", "pacific", "synthetic"}
+    from clarifier.train.encoder_classifier import EncoderClassifier
+
+    assert EncoderClassifier.load(enc["model_dir"]).threshold == enc["threshold"]
+    assert any(k.startswith("encoder encoder_tiny") for k in result["stages_seconds"])
     client = MlflowClient()
     assert client.get_run(joint["run_id"]).data.params["train.decision_loss.kind"] == "weighted"
     # the temporary model folder is gone after evaluation; the row points at the run's logged copy
@@ -92,6 +105,9 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     loo = result["leave_one_out"]["clariq"]
     assert loo["n"] == by_source["clariq"]["n"] == loo["left_out"]["n"] and loo["steps"] == 1
     assert set(loo["in_distribution"]) == set(result["rows"])
+    loo_enc = loo["encoders"]["encoder_tiny"]  # the encoder trained without clariq, on the clariq examples
+    assert loo_enc["left_out"]["n"] == loo["n"] and loo_enc["steps"] == 3
+    assert loo_enc["train_examples"] == enc["train_examples"] - enc["sources"]["clariq"]["n"]
     manifest = json.loads((tmp_path / "work" / "loo-clariq" / "data" / "manifest.json").read_text())
     assert "clariq" not in manifest["sources"] and set(manifest["sources"]) == {"pacific", "synthetic"}
 
@@ -112,5 +128,7 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     assert [p["step"] for p in curve] == [1, 2] and all("dev/macro_auroc" in p for p in curve)
     assert "## Learning curve" in md and (tmp_path / "out" / "report-learning-curve.png").stat().st_size > 1000
     assert "| zero_shot_tiny | zero-shot |" in md
+    assert "| encoder_tiny | encoder |" in md
+    assert "| clariq | encoder_tiny without clariq |" in md and "## Encoder rows" in md
     assert result["benchmark"] == "recipe-plan" and md.startswith(f"# Recipe benchmark: plan (recipe {tmp_path / 'tiny.yaml'})")
     assert any("data job" in m for m in messages)

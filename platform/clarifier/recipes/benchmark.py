@@ -5,8 +5,11 @@ in ``MLFLOW_TRACKING_URI``, else a local sqlite one under the work folder), then
 
 1. the data job (``data.sources`` import + Ray Data) for the recipe as it is;
 2. Ray Train runs of every *variant* of the plan (the recipe itself = the joint model, the
-   pipeline variant, ablations), each calibrated on its dev split;
-3. leave-one-dataset-out: the recipe trained without one source, for each listed source;
+   pipeline variant, ablations), each calibrated on its dev split; then every *encoder* row: a
+   small encoder classifier of the decision alone (:mod:`clarifier.train.encoder_classifier`),
+   trained in this process on the recipe's train split, calibrated on its dev split by the same rule;
+3. leave-one-dataset-out: the recipe trained without one source, for each listed source (and
+   each encoder row with ``leave_one_out``, trained on the train split without that source);
 4. one evaluation set: a seeded sample of the recipe's test split, ``eval_per_source`` examples of
    every source; every row is scored on it (leave-one-out models on their left-out source only);
 5. report: overall and per-source tables, leave-one-out table, recall at over-asking budgets,
@@ -27,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from clarifier.core.config import ClarifierConfig, ConfigError, load_config, validation_messages
 from clarifier.recipes import PLANS_DIR, recipe_path
+from clarifier.train.encoder_classifier import EncoderClassifierConfig
 
 Progress = Callable[[str], None]
 
@@ -47,6 +51,21 @@ class ErrorAnalysisPlan(_Strict):
     min_similarity: float = 0.5
 
 
+class EncoderPlan(EncoderClassifierConfig):
+    """An encoder row: the classifier's settings (``EncoderClassifierConfig``: base model, budget, ...) and
+    whether the leave-one-out runs train it too."""
+
+    leave_one_out: bool = Field(True, description="Also train this encoder without each leave_one_out source and score "
+                                                  "it on that source (the leave-one-out table shows it).")
+    leave_one_out_max_minutes: float | None = Field(None, gt=0, description="Time budget of those runs; null = max_minutes.")
+
+    def classifier_config(self, leave_one_out: bool = False) -> EncoderClassifierConfig:
+        cfg = EncoderClassifierConfig(**self.model_dump(exclude={"leave_one_out", "leave_one_out_max_minutes"}))
+        if leave_one_out and self.leave_one_out_max_minutes is not None:
+            cfg = cfg.model_copy(update={"max_minutes": self.leave_one_out_max_minutes})
+        return cfg
+
+
 class BenchmarkPlan(_Strict):
     recipe: str
     overrides: list[str] = Field(default_factory=list, description="Applied to the recipe for every run.")
@@ -59,6 +78,8 @@ class BenchmarkPlan(_Strict):
     zero_shot: dict[str, str] = Field(default_factory=dict, description="Row name -> base model, prompted zero-shot (decision only).")
     variants: dict[str, list[str]] = Field(default_factory=lambda: {"joint": []},
                                            description="Row name -> overrides of the recipe; each is trained on all sources.")
+    encoders: dict[str, EncoderPlan] = Field(default_factory=dict, description="Row name -> a fine-tuned encoder "
+                                             "classifier of the decision alone (kind 'encoder'), trained on the train split.")
     leave_one_out: LeaveOneOutPlan = LeaveOneOutPlan()
     error_analysis: ErrorAnalysisPlan = ErrorAnalysisPlan()
     grounding_source: str = Field("synthetic", description="Source whose gold grounding the grounding columns are measured on.")
@@ -216,6 +237,22 @@ def _predict_zero_shot(base_model: str, examples: list, cfg: ClarifierConfig,
             calib)
 
 
+def _encoder_row(row: EncoderPlan, train: list, dev: list, examples: list, cfg: ClarifierConfig, progress: Progress,
+                 leave_one_out: bool = False, save_to: Path | None = None) -> tuple[list, dict]:
+    """Train an encoder classifier on ``train``, calibrate it on ``dev`` (``eval.max_over_asking``), score
+    ``examples``: its predictions and the row's info (training, threshold, calibration, timing)."""
+    from clarifier.train.encoder_classifier import train_encoder_classifier
+
+    clf = train_encoder_classifier(train, row.classifier_config(leave_one_out), progress=progress)
+    calib = clf.calibrate(dev, cfg.eval.max_over_asking, progress)
+    t0 = time.time()
+    preds = clf.predict(examples)
+    info = {**clf.train_info, "threshold": clf.threshold, "calibration": calib, "eval_seconds": round(time.time() - t0, 1)}
+    if save_to is not None:
+        info["model_dir"] = str(clf.save(save_to))
+    return preds, info
+
+
 def _metrics(examples, preds, sim_fn, source_of, grounding_source) -> dict:
     from clarifier.core.metrics import evaluate_predictions
 
@@ -334,6 +371,14 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
             add_row(name, "trained", preds, overrides=extra, threshold=thr, eval_seconds=secs, **tr,
                     **({"model_dir": str(keep)} if keep else {}))
 
+    train_split = load_split(base.data.output, "train") if plan.encoders else []
+    dev_split = load_split(base.data.output, base.eval.calibration_split) if plan.encoders and base.eval.calibration_split else []
+    for name, enc in plan.encoders.items():
+        with clock.stage(f"encoder {name} ({enc.base_model}): train, calibrate, evaluate"):
+            preds, info = _encoder_row(enc, train_split, dev_split, examples, base, progress,
+                                       save_to=workdir / "encoders" / name)
+            add_row(name, "encoder", preds, **info)
+
     from clarifier.core.metrics import paired_bootstrap
 
     gold = [bool(e.needs_clarification) for e in examples]
@@ -363,6 +408,15 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
             "in_distribution": {name: rows[name]["metrics"].get(src) for name in rows},
             "n": len(idx),
         }
+        for name, enc in plan.encoders.items():
+            if not enc.leave_one_out:
+                continue
+            with clock.stage(f"leave-one-out: encoder {name} without {src}"):
+                preds, info = _encoder_row(enc, [e for e in train_split if source_of(e) != src],
+                                           [e for e in dev_split if source_of(e) != src], held, base, progress,
+                                           leave_one_out=True)
+            loo[src].setdefault("encoders", {})[name] = {
+                "left_out": evaluate_predictions(held, preds, similarity_fn=sim_fn), **info}
 
     errors = {}
     ea = plan.error_analysis

@@ -29,6 +29,8 @@ GROUNDING_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
     ("ground EM", ("grounding", "exact_match")),
     ("ground F1", ("grounding", "f1")),
 ]
+# Rows that predict the decision only (no question, no grounding): their grounding columns read n/a.
+DECISION_ONLY_KINDS = ("zero-shot", "encoder")
 SOURCE_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
     ("F1", ("decision", "f1")),
     ("over-ask", ("decision", "over_asking_rate")),
@@ -47,7 +49,7 @@ def main_table(result: dict) -> list[str]:
     for name, row in result["rows"].items():
         m = row["metrics"]
         gsrc = m.get("grounding_source")
-        g = m.get(gsrc) if gsrc else None
+        g = m.get(gsrc) if gsrc and row["kind"] not in DECISION_ONLY_KINDS else None
         thr = row.get("threshold")
         lines.append([f"{name}", row["kind"], *(fmt(_get(m["all"], p)) for _, p in MAIN_COLUMNS),
                       *(fmt(_get(g, p)) for _, p in GROUNDING_COLUMNS), fmt(thr)])
@@ -69,10 +71,12 @@ def loo_table(result: dict, compare: tuple[str, ...] = ("joint", "lexical")) -> 
     lines = []
     for src, r in result.get("leave_one_out", {}).items():
         lines.append([src, f"joint without {src}", *(fmt(_get(r["left_out"], p)) for _, p in SOURCE_COLUMNS)])
+        for name, e in (r.get("encoders") or {}).items():
+            lines.append([src, f"{name} without {src}", *(fmt(_get(e["left_out"], p)) for _, p in SOURCE_COLUMNS)])
         for name, m in r["in_distribution"].items():
             kind = result["rows"][name]["kind"]
-            if name in compare or kind == "zero-shot":
-                label = f"{name} (trained with {src})" if kind == "trained" else name
+            if name in compare or kind in ("zero-shot", "encoder"):
+                label = f"{name} (trained with {src})" if kind in ("trained", "encoder") else name
                 lines.append([src, label, *(fmt(_get(m, p)) for _, p in SOURCE_COLUMNS)])
     return _table(["left out", "row", *(h for h, _ in SOURCE_COLUMNS)], lines)
 
@@ -118,7 +122,7 @@ def loo_headline_table(result: dict) -> list[str]:
     for src, r in (result.get("leave_one_out") or {}).items():
         w = _within(r["left_out"], src)
         joint_in = _within((result["rows"].get("joint") or {}).get("metrics", {}).get("all"), src)
-        enc = r.get("encoder_left_out")
+        enc = next(iter((r.get("encoders") or {}).values()), {}).get("left_out")
         we = _within(enc, src) if enc else {}
         lines.append([src, fmt(w.get("auroc")), fmt(w.get("recall_at_budget")), fmt(w.get("f1_at_budget")),
                       fmt(we.get("auroc")) if enc else "n/a", fmt(joint_in.get("auroc"))])
@@ -144,6 +148,8 @@ def anchor_table(result: dict, src: str = ANCHOR_SOURCE) -> list[str]:
     loo = (result.get("leave_one_out") or {}).get(src)
     if loo:
         lines.append([f"joint trained without {src}", *_anchor_cells(loo["left_out"].get("decision"))])
+        for name, e in (loo.get("encoders") or {}).items():
+            lines.append([f"{name} trained without {src}", *_anchor_cells(e["left_out"].get("decision"))])
     for name, row in result["rows"].items():
         if row["kind"] in ("trained", "encoder", "zero-shot", "control") or name == "lexical":
             label = f"{name} (trained with {src})" if row["kind"] in ("trained", "encoder") else name
@@ -188,6 +194,23 @@ def plot_learning_curves(result: dict, path: Path) -> Path | None:
     fig.tight_layout()
     fig.savefig(path, format="png")
     return path
+
+
+def encoder_table(result: dict) -> list[str]:
+    """How each encoder row was trained and calibrated (and its leave-one-out runs, when there are any)."""
+    lines = []
+    runs = [(name, row) for name, row in result["rows"].items() if row["kind"] == "encoder"]
+    for src, r in result.get("leave_one_out", {}).items():
+        runs += [(f"{name} without {src}", e) for name, e in (r.get("encoders") or {}).items()]
+    for name, row in runs:
+        calib = row.get("calibration") or {}
+        lines.append([name, str(row.get("base_model")), str(row.get("steps")), fmt((row.get("train_seconds") or 0) / 60),
+                      str(row.get("examples_seen")), str(row.get("precision")), fmt(row.get("loss_first")),
+                      fmt(row.get("loss_last_tenth")), f"{fmt(row.get('threshold'))} ({calib.get('rule', '?')})"])
+    if not lines:
+        return []
+    return _table(["encoder", "base", "steps", "train min", "examples seen", "precision", "loss (step 1)",
+                   "loss (last tenth)", "threshold (rule)"], lines)
 
 
 def _ci(iv) -> str:
@@ -292,8 +315,15 @@ def markdown(result: dict) -> str:
              "Decision columns at each row's operating threshold (trained and zero-shot rows: chosen on the dev split by "
              "the same calibration rule; zero-shot scores are P(clarify) / (P(clarify) + P(answer))); AUROC and R@x% OA (best recall asking about at most x% of clear turns) are "
              "threshold-free; question columns on true positives; grounding on the "
-             f"{result['plan'].get('grounding_source')} examples (gold grounding). Zero-shot rows score the decision only.",
+             f"{result['plan'].get('grounding_source')} examples (gold grounding). Zero-shot and encoder rows score the "
+             "decision only.",
              ""]
+    if encoder_table(result):
+        lines += ["## Encoder rows", "",
+                  "Rows of kind `encoder`: a small encoder (e.g. all-MiniLM-L6-v2) with a linear head, fine-tuned on the "
+                  "recipe's train split for the decision alone (clarifier.train.encoder_classifier; source- and "
+                  "class-balanced draws), threshold chosen on the dev split by the same rule; no question, no grounding.",
+                  "", *encoder_table(result), ""]
     if result.get("uncertainty"):
         u = result["uncertainty"]
         lines += ["## How sure: bootstrap intervals", "",
