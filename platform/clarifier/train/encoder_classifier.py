@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from clarifier.core.metrics import Prediction
 from clarifier.core.prompt import PromptOptions, render_user_message
 from clarifier.core.schema import Example
-from clarifier.data.sources import source_of as default_source_of
+from clarifier.core.schema import source_of as default_source_of
 from clarifier.engine.precision import describe, place, resolve_precision, set_threads
 from clarifier.engine.similarity import DEFAULT_ENCODER, mean_pool, resolve_encoder
 from clarifier.train.calibrate import choose_threshold
