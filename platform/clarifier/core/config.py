@@ -221,8 +221,9 @@ class DecisionLossConfig(_Strict):
 class LearningCurveConfig(_Strict):
     every: int = Field(0, ge=0, description="Score a dev sample every this many optimizer steps (and at the last "
                                             "step) and log its within-source AUROC to MLflow (dev/...); 0 = off.")
-    examples_per_source: int = Field(40, ge=2, description="Dev examples per source in that sample (seeded, the same "
-                                                           "each time; half need a question where the split has enough).")
+    examples_per_source: int = Field(20, ge=2, description="Dev examples per source in that sample (seeded, the same "
+                                                           "each time; half need a question where the split has enough). "
+                                                           "Each point costs about a second per example on one CPU core.")
     batch_size: int = Field(8, ge=1)
 
 
