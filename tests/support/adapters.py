@@ -9,7 +9,7 @@ def untrained_adapter(base: Path, out: Path, threshold: float, seed: int = 0, r:
     """A fresh LoRA adapter (q_proj, v_proj) on ``base`` with its tokenizer and ``clarifier.json``.
 
     The threshold picks the path requests take: 1.0 the fast path (decision pass only), 0.0 always
-    generation (noise from an untrained model, which exercises the malformed-output fallback).
+    generation (noise from an untrained model, kept to a parseable target by the decoding constraint).
     """
     import torch
     from peft import LoraConfig, get_peft_model

@@ -1,6 +1,14 @@
 import pytest
 
-from clarifier.core.target import JointTarget, TargetParseError, parse_target, render_segments, render_target, try_parse_target
+from clarifier.core.target import (
+    JointTarget,
+    TargetParseError,
+    parse_target,
+    question_problem,
+    render_segments,
+    render_target,
+    try_parse_target,
+)
 
 
 @pytest.mark.parametrize("t", [
@@ -58,3 +66,24 @@ def test_grounding_checked_against_request():
     with pytest.raises(TargetParseError, match="not among"):
         parse_target(text, history_len=6, passage_ids=["p1"])
     assert parse_target(text, history_len=6, passage_ids=["p9"]).grounding_turns == (0, 5)
+
+
+@pytest.mark.parametrize("question, fragment", [
+    ("are you asking about the user?||none", "'|'"),
+    ("which one? turns=0,1", "'turns='"),
+    ("which PASSAGES=p1", "'passages='"),
+    ("Decision: clarify", "'decision:'"),
+    ("x grounding: y", "'grounding:'"),
+    ("question: which?", "'question:'"),
+    ("a?", "2 non-space characters"),
+])
+def test_a_question_with_target_syntax_or_too_short_is_malformed(question, fragment):
+    text = f"decision: clarify\ngrounding: turns=0 passages=none\nquestion: {question}"
+    target, err = try_parse_target(text)
+    assert target is None and fragment in err
+    assert question_problem(question) == err
+
+
+def test_a_plain_question_passes_the_hygiene_check():
+    assert question_problem("Do you mean the router, or: the modem (x = y)?") is None
+    assert parse_target("decision: clarify\ngrounding: turns=0 passages=none\nquestion: Why?").question == "Why?"

@@ -10,7 +10,10 @@ or, when the turn needs no clarification, just::
 
 The decision comes first so that it is read from the probability of a single token after the
 fixed prefix ``decision:`` (one forward pass, no decoding); grounding comes before the question so
-the question is generated conditioned on what it refers to. Pure: no torch, no Ray.
+the question is generated conditioned on what it refers to. The question is plain text: one line,
+at least ``MIN_QUESTION_CHARS`` non-space characters, none of the target's own syntax
+(``QUESTION_SYNTAX``); the parser rejects other questions as malformed, and the engine's decoding
+constraint (``clarifier.engine.target_constraint``) never writes them. Pure: no torch, no Ray.
 """
 
 from __future__ import annotations
@@ -21,6 +24,13 @@ from dataclasses import dataclass, field
 DECISION_PREFIX = "decision:"
 CLARIFY = "clarify"
 ANSWER = "answer"
+GROUNDING_HEAD = "grounding: turns="
+PASSAGES_SEP = " passages="
+QUESTION_HEAD = "question:"
+# Pieces of the target format that a question must not contain (matched case-insensitively):
+# they are how grounding syntax leaks into questions (``are you asking about the user?||none``).
+QUESTION_SYNTAX = ("|", "turns=", "passages=", "decision:", "grounding:", "question:")
+MIN_QUESTION_CHARS = 3  # non-space characters
 SEGMENTS = ("decision", "grounding", "question", "format")
 
 
@@ -59,8 +69,8 @@ def render_segments(t: JointTarget) -> list[tuple[str, str]]:
     return [
         ("format", DECISION_PREFIX),
         ("decision", f" {CLARIFY}\n"),
-        ("grounding", f"grounding: turns={_ids(t.grounding_turns)} passages={_ids(t.grounding_passages)}\n"),
-        ("question", f"question: {question}"),
+        ("grounding", f"{GROUNDING_HEAD}{_ids(t.grounding_turns)}{PASSAGES_SEP}{_ids(t.grounding_passages)}\n"),
+        ("question", f"{QUESTION_HEAD} {question}"),
     ]
 
 
@@ -70,6 +80,27 @@ def render_target(t: JointTarget) -> str:
 
 def _one_line(s: str) -> str:
     return " ".join(s.split())
+
+
+def syntax_in_question(question: str) -> str | None:
+    """The first piece of ``QUESTION_SYNTAX`` that ``question`` contains (any case), else None."""
+    low = question.lower()
+    return next((piece for piece in QUESTION_SYNTAX if piece in low), None)
+
+
+def nonspace_chars(text: str) -> int:
+    return sum(not c.isspace() for c in text)
+
+
+def question_problem(question: str) -> str | None:
+    """Why ``question`` is not a servable question (target syntax in it, or too short), else None."""
+    piece = syntax_in_question(question)
+    if piece is not None:
+        return f"the question contains the target syntax {piece!r}: {question[:80]!r}"
+    n = nonspace_chars(question)
+    if n < MIN_QUESTION_CHARS:
+        return f"the question has {n} non-space characters (at least {MIN_QUESTION_CHARS}): {question!r}"
+    return None
 
 
 _DECISION_RE = re.compile(r"decision:\s*(\w+)\s*$")
@@ -121,6 +152,9 @@ def parse_target(text: str, *, history_len: int | None = None, passage_ids=None)
     q = _QUESTION_RE.fullmatch(lines[2])
     if not q:
         raise TargetParseError(f"line 3 must be 'question: ...', got {lines[2][:80]!r}")
+    problem = question_problem(q.group(1))
+    if problem:
+        raise TargetParseError(problem)
     if history_len is not None:
         bad = [i for i in turns if i >= history_len]
         if bad:

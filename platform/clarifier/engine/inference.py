@@ -5,9 +5,10 @@ the first token after the fixed target prefix ``decision:`` (computed in float32
 hidden state, whatever the model's precision); only requests at or above the threshold are decoded
 further (grounding, then question), and that decoding continues from the decision pass's KV cache
 (``one_prefill``): the prompt is encoded once per request, not once to decide and again to ask.
-The grounding line is constrained to the request's turns and passages (``grounding_constraint``).
-Malformed generations fall back to "no clarification" with ``valid_output=False`` -- never an
-exception.
+Everything decoded is constrained to the target grammar (``target_constraint``): a grounding line of
+the request's own turns and passages, one plain-text question line, EOS, within ``max_new_tokens``.
+Malformed generations (under the constraint only when ``max_new_tokens`` is too small for any
+target) fall back to "no clarification" with ``valid_output=False`` -- never an exception.
 
 Precision: engines load in the resolved ``precision`` (``clarifier.engine.precision``: ``auto`` = bf16 on
 a device that computes it natively, else fp32); a LoRA adapter is merged into the float32 base
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from clarifier.engine.grounding_constraint import GroundingConstraint
+from clarifier.engine.target_constraint import TargetConstraint, grammar_for, vocab_index
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from clarifier.engine.precision import place, resolve_precision, torch_dtype
 from clarifier.core.prompt import PromptOptions, render_prompt
@@ -120,7 +121,7 @@ class ClarifierEngine:
 
     def __init__(self, model, tokenizer, *, threshold: float = 0.5, version: str = "local",
                  prompt_opts: PromptOptions | None = None, max_new_tokens: int = 48,
-                 constrain_grounding: bool = True):
+                 constrain_target: bool = True):
         import torch
 
         self.model = model.eval()
@@ -130,7 +131,9 @@ class ClarifierEngine:
         self.version = version
         self.opts = prompt_opts or PromptOptions()
         self.max_new_tokens = max_new_tokens
-        self.constrain_grounding = constrain_grounding
+        self.constrain_target = constrain_target
+        if constrain_target:
+            vocab_index(self.tok)  # built once per tokenizer, here rather than in the first request
         self._torch = torch
         self.device = next(model.parameters()).device
         prefix = self.tok(DECISION_PREFIX, add_special_tokens=False)["input_ids"]
@@ -238,7 +241,7 @@ class ClarifierEngine:
             out = self.model.generate(
                 **enc, past_key_values=cache, max_new_tokens=self.max_new_tokens, do_sample=False,
                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
-                logits_processor=self._grounding_constraint(enc, items),
+                logits_processor=self._target_constraint(enc, items),
             )
         return out[:, enc["input_ids"].shape[1]:]
 
@@ -286,14 +289,16 @@ class ClarifierEngine:
             cache.batch_select_indices(torch.tensor(rows, device=ids.device))
         return self._generate_ids(enc, items, cache=cache)
 
-    def _grounding_constraint(self, enc, items):
-        """The grounding line may only name turns and passages the request has (``grounding_constraint``)."""
+    def _target_constraint(self, enc, items, written: list[str] | None = None):
+        """Decoding after ``decision: clarify`` keeps to each request's target grammar
+        (``target_constraint``); ``written``: target text already in the prompts after that line."""
         from transformers import LogitsProcessorList
 
-        if not self.constrain_grounding:
+        if not self.constrain_target:
             return None
-        return LogitsProcessorList([GroundingConstraint(
-            self.tok, enc["input_ids"].shape[1], [(len(h), [x.id for x in (p or [])]) for h, _, p in items])])
+        return LogitsProcessorList([TargetConstraint(
+            self.tok, enc["input_ids"].shape[1], [grammar_for(h, q, p) for h, q, p in items], self.max_new_tokens,
+            written)])
 
     def clarify(self, requests: list[ClarifyRequest], threshold: float | None = None) -> list[ClarifyResponse]:
         """Answer serving requests: decision for all, question only for those above the threshold."""

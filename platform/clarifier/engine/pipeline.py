@@ -69,14 +69,14 @@ class PipelineEngine(ClarifierEngine):
         self.model.set_adapter("when")
         return super()._decide(items, keep_cache)
 
-    def _continue(self, texts: list[str], adapter: str, one_line: bool, items=None) -> list[str]:
+    def _continue(self, texts: list[str], adapter: str, one_line: bool, items, written=None) -> list[str]:
         self.model.set_adapter(adapter)
         with self._torch.inference_mode():
             enc = self._encode(texts)
             out = self.model.generate(
                 **enc, max_new_tokens=self.max_new_tokens, do_sample=False,
                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
-                logits_processor=self._grounding_constraint(enc, items) if items is not None else None,
+                logits_processor=self._target_constraint(enc, items, written),
             )
         new = self.tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         return [s.split("\n", 1)[0] if one_line else s for s in new]
@@ -88,5 +88,7 @@ class PipelineEngine(ClarifierEngine):
         head = f"{DECISION_PREFIX} {CLARIFY}\n"
         prompts = [self._prompt(h, q, p) + head for h, q, p in items]
         grounding = self._continue(prompts, "how", one_line=True, items=items)
-        questions = self._continue([p + g + "\n" for p, g in zip(prompts, grounding)], "what", one_line=False)
+        lines = [g + "\n" for g in grounding]
+        questions = self._continue([p + g for p, g in zip(prompts, lines)], "what", one_line=False, items=items,
+                                   written=lines)
         return [head + g + "\n" + q for g, q in zip(grounding, questions)]
