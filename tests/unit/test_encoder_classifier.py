@@ -202,7 +202,7 @@ def test_tables_show_encoder_rows_and_their_leave_one_out_runs():
     assert "| enc | encoder | 0.500 | 0.500 | 0.500 | 0.100 | 0.700 | 0.200 | 0.400 | n/a | n/a | 1.000 | n/a | n/a | 0.420 |" in md
     assert "| a | enc without a | 0.500 | 0.100 | 0.600 | 0.400 |" in md and "| a | enc (trained with a) |" in md
     assert "## Encoder rows" in md
-    assert "| enc | all-minilm-l6-v2 | 300 | 12.000 | 4800 | bf16 | 0.690 | 0.200 | 0.420 (max_f1) |" in md
+    assert "| enc | all-minilm-l6-v2 | 300 | 12.0 | 4800 | bf16 | 0.690 | 0.200 | 0.420 (max_f1) |" in md
     assert "| enc without a | all-minilm-l6-v2 | 100 |" in md
     del result["rows"]["enc"], result["leave_one_out"]["a"]["encoders"], result["leave_one_out"]["a"]["in_distribution"]["enc"]
     assert "## Encoder rows" not in markdown(result)

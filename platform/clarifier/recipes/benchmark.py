@@ -371,8 +371,9 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
             add_row(name, "trained", preds, overrides=extra, threshold=thr, eval_seconds=secs, **tr,
                     **({"model_dir": str(keep)} if keep else {}))
 
+    calibration = base.eval.calibration_split
     train_split = load_split(base.data.output, "train") if plan.encoders else []
-    dev_split = load_split(base.data.output, base.eval.calibration_split) if plan.encoders and base.eval.calibration_split else []
+    dev_split = load_split(base.data.output, calibration) if plan.encoders and calibration else []
     for name, enc in plan.encoders.items():
         with clock.stage(f"encoder {name} ({enc.base_model}): train, calibrate, evaluate"):
             preds, info = _encoder_row(enc, train_split, dev_split, examples, base, progress,

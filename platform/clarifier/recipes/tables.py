@@ -204,7 +204,7 @@ def encoder_table(result: dict) -> list[str]:
         runs += [(f"{name} without {src}", e) for name, e in (r.get("encoders") or {}).items()]
     for name, row in runs:
         calib = row.get("calibration") or {}
-        lines.append([name, str(row.get("base_model")), str(row.get("steps")), fmt((row.get("train_seconds") or 0) / 60),
+        lines.append([name, str(row.get("base_model")), str(row.get("steps")), f"{(row.get('train_seconds') or 0) / 60:.1f}",
                       str(row.get("examples_seen")), str(row.get("precision")), fmt(row.get("loss_first")),
                       fmt(row.get("loss_last_tenth")), f"{fmt(row.get('threshold'))} ({calib.get('rule', '?')})"])
     if not lines:
@@ -312,7 +312,7 @@ def markdown(result: dict) -> str:
              "## Mixed evaluation set: all rows, all sources together", "",
              "These figures mix sources whose share of turns needing a question differs widely; the source-only "
              "control row shows how much of them knowing the source alone reaches.", "", *main_table(result), "",
-             "Decision columns at each row's operating threshold (trained and zero-shot rows: chosen on the dev split by "
+             "Decision columns at each row's operating threshold (trained, zero-shot and encoder rows: chosen on the dev split by "
              "the same calibration rule; zero-shot scores are P(clarify) / (P(clarify) + P(answer))); AUROC and R@x% OA (best recall asking about at most x% of clear turns) are "
              "threshold-free; question columns on true positives; grounding on the "
              f"{result['plan'].get('grounding_source')} examples (gold grounding). Zero-shot and encoder rows score the "
