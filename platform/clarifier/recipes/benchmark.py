@@ -108,8 +108,9 @@ def load_plan(name_or_path: str) -> BenchmarkPlan:
         plan = BenchmarkPlan.model_validate(yaml.safe_load(path.read_text()) or {})
     except ValidationError as exc:
         raise ConfigError(f"invalid benchmark plan {path}: {'; '.join(validation_messages(exc))}") from None
-    if "joint" not in plan.variants:
-        raise ConfigError(f"{path}: variants must include 'joint' (the recipe as it is)")
+    if plan.variants and "joint" not in plan.variants:
+        raise ConfigError(f"{path}: variants must include 'joint' (the recipe as it is), or be empty (e.g. a "
+                          "leave-one-out plan)")
     return plan
 
 
