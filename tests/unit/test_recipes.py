@@ -251,3 +251,18 @@ def test_sample_by_source_with_a_clarify_share():
     examples += [Example(id=f"b{i}", query="q", needs_clarification=i < 40, clarifying_question="which?" if i < 40 else None, meta={"source": "b"}) for i in range(100)]
     got = [e for e in sample_by_source(examples, 20, seed=0, clarify_share=0.3) if source_of(e) == "b"]
     assert len(got) == 20 and sum(e.needs_clarification for e in got) == 6
+
+
+def test_old_reports_get_within_source_figures_from_their_per_source_metrics():
+    from clarifier.recipes.tables import backfill_within_source, markdown
+
+    per = {"a": {"auroc": 0.6, "recall_at_over_asking": {"0.1": 0.2}}, "b": {"auroc": 0.8, "recall_at_over_asking": {"0.1": 0.4}}}
+    result = {"benchmark": "recipe-x", "plan": {"recipe": "x", "grounding_source": None},
+              "eval_set": {"n": 4, "split": "test", "per_source_cap": 2, "by_source": {"a": {"n": 2, "clarify": 1},
+                                                                                      "b": {"n": 2, "clarify": 1}}},
+              "rows": {"joint": {"kind": "trained", "metrics": {"all": {"auroc": 0.9}, **per}}}}
+    backfill_within_source(result)
+    w = result["rows"]["joint"]["metrics"]["all"]["within_source"]
+    assert w["macro_auroc"] == pytest.approx(0.7) and w["min_auroc"] == 0.6
+    assert w["macro_recall_at_budget"] == pytest.approx(0.3) and w["macro_f1_at_budget"] is None
+    assert "| joint | trained | 0.700 | 0.600 | 0.600 | 0.800 |" in markdown(result)

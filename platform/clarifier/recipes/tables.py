@@ -93,6 +93,32 @@ def _within(m: dict | None, src: str) -> dict:
     return (((m or {}).get("within_source") or {}).get("by_source") or {}).get(src) or {}
 
 
+def backfill_within_source(result: dict) -> dict:
+    """Reports written before ``within_source`` existed: derive it from the per-source metrics they
+    have (AUROC, recall at 10% over-asking; F1 at the budget is not recoverable). In place."""
+    from statistics import mean
+
+    sources = list(result["eval_set"]["by_source"])
+    for row in result["rows"].values():
+        m = row["metrics"]
+        if "within_source" in m["all"]:
+            continue
+        by = {s: {"auroc": (m.get(s) or {}).get("auroc"),
+                  "recall_at_budget": ((m.get(s) or {}).get("recall_at_over_asking") or {}).get("0.1"),
+                  "f1_at_budget": None} for s in sources}
+        aur = [v["auroc"] for v in by.values() if v["auroc"] is not None]
+        rec = [v["recall_at_budget"] for v in by.values() if v["recall_at_budget"] is not None]
+        m["all"]["within_source"] = {"budget": 0.1, "by_source": by, "macro_auroc": mean(aur) if aur else None,
+                                     "min_auroc": min(aur) if aur else None,
+                                     "macro_recall_at_budget": mean(rec) if rec else None, "macro_f1_at_budget": None}
+    for src, r in (result.get("leave_one_out") or {}).items():
+        lo = r["left_out"]
+        if "within_source" not in lo:
+            lo["within_source"] = {"by_source": {src: {"auroc": lo.get("auroc"), "f1_at_budget": None,
+                                                       "recall_at_budget": (lo.get("recall_at_over_asking") or {}).get("0.1")}}}
+    return result
+
+
 def within_source_table(result: dict) -> list[str]:
     """Headline 1: AUROC inside each source and their mean -- what telling sources apart cannot reach."""
     sources = list(result["eval_set"]["by_source"])
