@@ -91,8 +91,14 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     assert any(k.startswith("encoder encoder_tiny") for k in result["stages_seconds"])
     client = MlflowClient()
     assert client.get_run(joint["run_id"]).data.params["train.decision_loss.kind"] == "weighted"
-    # the temporary model folder is gone after evaluation; the row points at the run's logged copy
-    assert "model_dir" not in joint and joint["model_uri"] == f"runs:/{joint['run_id']}/adapter"
+    # the joint row's model folder is kept for `clarifier models package` (plan keep_models); the other
+    # variants' temporary folders are gone after evaluation: their rows point at the run's logged copy
+    assert joint["model_dir"] == str(tmp_path / "work" / "models" / "joint")
+    assert (tmp_path / "work" / "models" / "joint" / "clarifier.json").is_file()
+    ablation = result["rows"]["joint_no_class_weighting"]
+    assert "model_dir" not in ablation and ablation["model_uri"] == f"runs:/{ablation['run_id']}/adapter"
+    assert not (tmp_path / "work" / "models" / "joint_no_class_weighting").exists()
+    assert result["eval_set"]["fingerprint"] and len(result["eval_set"]["fingerprint"]) == 64
     assert "adapter/clarifier.json" in {f.path for f in client.list_artifacts(joint["run_id"], "adapter")}
     assert client.get_run(result["rows"]["joint_no_class_weighting"]["run_id"]).data.params["train.decision_loss.kind"] == "ce"
 

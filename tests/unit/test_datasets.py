@@ -275,11 +275,12 @@ def test_cli_import_takes_a_dataset_ref(tmp_path, monkeypatch):
 
 
 def test_recipes_name_registered_datasets_and_dataset_refs_are_checked():
+    from clarifier.data.sources import GENERATORS
     from clarifier.recipes import load_recipe
     from clarifier.runtime.submit import portable_config
 
     for recipe in ("joint-public", "joint-public-gpu"):
-        sources = [s for s in load_recipe(recipe).data.sources if s.importer != "synthetic"]
+        sources = [s for s in load_recipe(recipe).data.sources if s.importer not in GENERATORS]
         assert [s.src for s in sources] == [f"dataset:{s.importer}" for s in sources]
         assert {s.dataset for s in sources} == {"clariq", "pacific", "abgcoqa", "claqua"} <= set(REGISTRY)
     assert load_recipe("joint-public").data.mirror is None
