@@ -340,20 +340,20 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
     with clock.stage("rule baselines"):
         for name in plan.rule_baselines:
             add_row(name, "rule", baseline_predictions(name, examples))
+    # The train and calibration splits as examples, read once for the rows fitted in this process.
+    calibration = base.eval.calibration_split
+    need_splits = plan.source_only or bool(plan.encoders)
+    train_split = load_split(base.data.output, "train") if need_splits else []
+    dev_split = load_split(base.data.output, calibration) if need_splits and calibration else []
     train_mix = {}
     if plan.source_only:
         with clock.stage("source-only control"):
-            from clarifier.core.metrics import source_only_auroc
             from clarifier.evaluation.baselines import source_only_predictions
             from clarifier.train.loop import training_mix
 
-            train_split = load_split(base.data.output, "train")
-            calib_split = load_split(base.data.output, base.eval.calibration_split) if base.eval.calibration_split else []
-            preds, thr = source_only_predictions(train_split, calib_split, examples, base.eval.max_over_asking)
+            preds, thr = source_only_predictions(train_split, dev_split, examples, base.eval.max_over_asking)
             mix = training_mix(base.train.balance, manifest["counts"]["splits"]["train"])
-            train_mix = {"balance": base.train.balance, "source_only_auroc": mix["source_only_auroc"],
-                         "source_only_auroc_natural": source_only_auroc([source_of(e) for e in train_split],
-                                                                        [e.needs_clarification for e in train_split])}
+            train_mix = {k: mix[k] for k in ("balance", "source_only_auroc", "source_only_auroc_natural")}
             progress(f"[recipe] training mix ({base.train.balance}): source-only control AUROC "
                      f"{train_mix['source_only_auroc']} (natural mix {train_mix['source_only_auroc_natural']})")
             add_row("source_only", "control", preds, threshold=thr)
@@ -372,9 +372,6 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
             add_row(name, "trained", preds, overrides=extra, threshold=thr, eval_seconds=secs, **tr,
                     **({"model_dir": str(keep)} if keep else {}))
 
-    calibration = base.eval.calibration_split
-    train_split = load_split(base.data.output, "train") if plan.encoders else []
-    dev_split = load_split(base.data.output, calibration) if plan.encoders and calibration else []
     for name, enc in plan.encoders.items():
         with clock.stage(f"encoder {name} ({enc.base_model}): train, calibrate, evaluate"):
             preds, info = _encoder_row(enc, train_split, dev_split, examples, base, progress,

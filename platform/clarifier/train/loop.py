@@ -36,14 +36,13 @@ checkpoint, and logged by the driver (``tracking/lost_steps``).
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import json
 import os
 import random
 import sys
 import tempfile
 import time
+from functools import lru_cache
 
 from clarifier.core.config import ClarifierConfig
 from clarifier.data.packing import collate_packed
@@ -449,6 +448,7 @@ class WorkerRecipe:
                      if t.balance == "source_class" else None)
         self.scale = segment_scale(self.part)
         self.curve = self._curve_sample()
+        self.curve_tok = None
         dl = self.config.get("decision_loss")
         self.dloss = DecisionLoss(**dl) if dl else DecisionLoss()
 
@@ -483,8 +483,10 @@ class WorkerRecipe:
         from clarifier.engine.models import load_tokenizer, resolve_base_model
 
         module = self.engine.module
-        tok = load_tokenizer(resolve_base_model(self.cfg.model.base_model, self.cfg.model.cache_dir))
-        scorer = ClarifierEngine(module, tok, prompt_opts=PromptOptions(max_prompt_tokens=self.cfg.model.max_prompt_tokens))
+        if self.curve_tok is None:  # its own tokenizer: the engine pads on the left, training's must not change
+            self.curve_tok = load_tokenizer(resolve_base_model(self.cfg.model.base_model, self.cfg.model.cache_dir))
+        scorer = ClarifierEngine(module, self.curve_tok,
+                                 prompt_opts=PromptOptions(max_prompt_tokens=self.cfg.model.max_prompt_tokens))
         t0 = time.time()
         with torch.no_grad():
             scores = scorer.score_examples(self.curve, self.cfg.train.learning_curve.batch_size)
