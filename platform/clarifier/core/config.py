@@ -368,6 +368,82 @@ class ServeConfig(_Strict):
         30, ge=0, description="Poll a models:/name@alias URI this often and hot-switch on change; 0 = never.")
 
 
+class FeedbackSignalConfig(_Strict):
+    """Explicit feedback on an answer (``feedback``/``rating`` fields, see clarifier.data.chatlog)."""
+
+    enabled: bool = True
+    rating_at_most: float = Field(2, description="A numeric rating at or below this marks a failure (1-5 scale: 2; "
+                                                 "set 0 for a 0/1 scale, -1 for a -1/+1 scale).")
+    negative_values: list[str] = Field(
+        ["down", "thumbs_down", "thumbsdown", "negative", "bad", "dislike", "unhelpful", "wrong", "\U0001f44e"],
+        description="Feedback strings (case-insensitive) that mark a failure.")
+    positive_values: list[str] = Field(
+        ["up", "thumbs_up", "thumbsup", "positive", "good", "like", "helpful", "correct", "\U0001f44d"],
+        description="Feedback strings that mark a success (anything else is unknown and counted as such).")
+
+
+class PatternSignalConfig(_Strict):
+    enabled: bool = True
+    patterns: list[str] = Field(default_factory=list, description="Case-insensitive regular expressions.")
+
+
+class ReformulationSignalConfig(_Strict):
+    """The user restates the same request in the next turn (a sign the answer missed)."""
+
+    enabled: bool = True
+    min_similarity: float = Field(0.75, ge=-1, le=1, description="MiniLM cosine similarity of a user turn and the "
+                                                                 "next user turn at or above which it is a reformulation.")
+    encoder: str | None = Field(None, description="Sentence encoder; null = the packaged all-MiniLM-L6-v2.")
+    actors: int = Field(1, ge=1)
+
+
+class AuditSignalsConfig(_Strict):
+    feedback: FeedbackSignalConfig = FeedbackSignalConfig()
+    no_answer: PatternSignalConfig = PatternSignalConfig(patterns=[
+        r"\bI (?:could not|couldn['’]?t|cannot|can not|can['’]?t|was unable to|am unable to|wasn['’]?t able to) find\b",
+        r"\bno (?:relevant )?(?:information|results|documents?) (?:was |were )?found\b",
+        r"\bI (?:do not|don['’]?t) (?:have|know)\b.{0,40}\b(?:information|answer|details)\b",
+        r"\bI'?m (?:not sure|sorry, but I (?:can't|cannot|couldn't))\b", r"\bunable to (?:answer|help with)\b"])
+    escalation: PatternSignalConfig = PatternSignalConfig(patterns=[
+        r"\b(?:transfer|connect|escalat)\w* (?:you|this|your (?:request|case))\b.{0,40}\b(?:human|agent|person|support|specialist|team)\b",
+        r"\bopen(?:ed)? a (?:support )?ticket\b"])
+    reformulation: ReformulationSignalConfig = ReformulationSignalConfig()
+
+
+class AuditConfig(_Strict):
+    """``clarifier audit``: is a clarifier worth it for these logs? (clarifier.evaluation.audit)."""
+
+    logs: str = Field("", description="Folder, file or s3:// prefix of chat transcripts / conversation logs.")
+    output: str = Field("", description="Folder or s3:// prefix for the audit's Parquet, report and plots.")
+    model_uri: str | None = Field(None, description="The model; null = the registry's registry.model_name@registry.alias "
+                                                    "when a tracking URI is set, else the quickstart's model.")
+    formats: list[Literal["jsonl", "jsonl.gz", "parquet"]] = ["jsonl", "jsonl.gz", "parquet"]
+    rule_share: float = Field(0.15, gt=0, lt=1, description="A clarifier is worth it when more than this share of "
+                                                            "failed turns needed clarification.")
+    confidence: float = Field(0.95, gt=0, lt=1)
+    bootstrap: int = Field(1000, ge=100)
+    buckets: int = Field(1000, ge=10, description="Conversations are hashed into this many buckets; the bootstrap "
+                                                  "resamples buckets (turns of a conversation stay together).")
+    seed: int = 0
+    segments: list[str] = Field(["domain"], description="Metadata fields to break the shares down by.")
+    max_segment_values: int = Field(20, ge=1, description="Per segment field, the most frequent values shown; the rest are 'other'.")
+    sample_questions: int = Field(30, ge=0, description="Flagged turns (a seeded sample) for which a question is "
+                                                        "generated and shown in the report.")
+    error_rates: Literal["auto", "labels", "report", "calibration", "none"] = Field(
+        "auto", description="The model's recall and false-positive rate for the correction: labels = the logs' own "
+        "labelled turns; report = eval_report; calibration = the counts stored with the model (its dev split); "
+        "auto = labels when there are min_labelled of each class, else report when given, else calibration.")
+    eval_report: str | None = Field(None, description="report.json of `clarifier eval` for this model.")
+    min_labelled: int = Field(30, ge=1)
+    actors: int = Field(1, ge=1, description="Scorer actors (each loads the model once).")
+    cpus_per_actor: float = Field(1, gt=0)
+    gpus_per_actor: float = Field(0, ge=0)
+    batch_size: int = Field(8, ge=1)
+    max_turn_chars: int = Field(200_000, ge=1, description="Guard against abuse only: longer turns quarantine their "
+                                                            "conversation. Long turns are truncated for the prompt.")
+    signals: AuditSignalsConfig = AuditSignalsConfig()
+
+
 class TrackingConfig(_Strict):
     tracking_uri: str | None = Field(None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI.")
     buffer_max_values: int = Field(
@@ -390,6 +466,7 @@ class ClarifierConfig(_Strict):
     registry: RegistryConfig = RegistryConfig()
     serve: ServeConfig = ServeConfig()
     tracking: TrackingConfig = TrackingConfig()
+    audit: AuditConfig = AuditConfig()
 
     @model_validator(mode="after")
     def _check_finetune(self):
