@@ -284,6 +284,35 @@ def eval_cmd(model: str = typer.Option(..., help="models:/name@alias, runs:/<id>
     _say(f"report: {rep['paths']}")
 
 
+@app.command()
+def audit(logs: Optional[str] = typer.Option(None, help="Folder, file or s3:// prefix of chat transcripts (OpenAI "
+                                              "messages), conversation logs or examples: JSONL, JSONL.gz, Parquet."),
+          model: Optional[str] = typer.Option(None, help="models:/name@alias, runs:/..., s3:// or a folder; default: "
+                                               "registry.model_name@registry.alias with a tracking URI, else the quickstart's model."),
+          out: Optional[str] = typer.Option(None, help="Folder or s3:// prefix for turns Parquet, quarantine and the report."),
+          eval_report: Optional[str] = typer.Option(None, help="report.json of `clarifier eval` for this model (its error rates)."),
+          config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
+          installed_code: bool = InstalledCodeOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Audit RAG logs: the share of failed turns that needed clarification, corrected, with a verdict."""
+    from clarifier.runtime import storage
+
+    cfg = _cfg(config, overrides)
+    for key, value in (("logs", logs), ("output", out), ("model_uri", model), ("eval_report", eval_report)):
+        if value:
+            setattr(cfg.audit, key, value)
+    if submit:
+        _submit(submit, ["audit"], cfg, [], installed_code)
+    from clarifier.evaluation.audit import run_audit
+
+    storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
+    try:
+        summary = run_audit(cfg, progress=_say)
+    except (ValueError, FileNotFoundError) as exc:
+        console.print(f"[red]audit error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
+    _say(json.dumps({"verdict": summary["verdict"]["decision"], "report": summary["paths"].get("html")}))
+
+
 @models_app.command("register")
 def models_register(run_id: str = typer.Option(..., help="MLflow run holding the 'adapter' artifacts."),
                     name: str = typer.Option("clarifier"), alias: Optional[str] = typer.Option(None)):

@@ -78,6 +78,12 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
     stage(4, f"Ray Train: {'LoRA' if cfg.model.finetune == 'lora' else 'full'} fine-tuning of {cfg.model.base_model} with DeepSpeed ZeRO-{cfg.train.zero_stage}")
     tr = train(cfg, progress=progress)
 
+    import shutil
+
+    kept = workdir / "model"  # a plain model folder: `clarifier audit` defaults to it
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.copytree(tr.model_dir, kept)
+
     stage(5, "evaluation on the held-out test split (model vs untrained base vs always-ask)")
     report = evaluate(cfg, tr.model_dir, run_id=tr.run_id, out_dir=str(workdir / "eval"), progress=progress)
 
@@ -96,6 +102,7 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
     summary = {
         "seconds": round(time.time() - t_all, 1),
         "mlflow_run_id": tr.run_id,
+        "model_dir": str(kept),
         "model_version": mv.version,
         "train_steps": tr.steps,
         "decision_f1": {name: v["metrics"]["decision"]["f1"] for name, v in report["models"].items()},

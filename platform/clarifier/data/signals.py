@@ -81,8 +81,9 @@ def text_signals(turn, cfg: AuditSignalsConfig) -> dict[str, bool | None]:
 
 
 class ReformulationScorer:
-    """A Ray Data UDF (actor pool): ``reformulation_sim`` and ``reformulation`` of each row from its
-    ``query`` and ``next_user`` columns (no next user turn: similarity NaN, reformulation False)."""
+    """``reformulation_sim`` and ``reformulation`` of each row of an Arrow batch from its ``query`` and
+    ``next_user`` columns (no next user turn: similarity NaN, reformulation False). Held by the audit's
+    scorer actors beside the clarifier model."""
 
     def __init__(self, encoder: str | None, min_similarity: float, cpus: float = 1):
         from clarifier.engine.precision import set_threads

@@ -49,6 +49,9 @@ class ModelMeta:
     prompt: dict | None = None
     finetune: str = "lora"  # how the weights were trained (model.finetune): lora | full
     precision: str | None = None  # the resolved training precision (bf16 | fp32); None: written before it was recorded
+    # The decision's confusion counts at ``threshold`` on the calibration split ({split, n, tp, fn, tn, fp, rule}):
+    # what the audit corrects its estimates with when it has nothing better. None: not calibrated.
+    calibration: dict | None = None
     format_version: int = FORMAT_VERSION
 
     def prompt_options(self) -> PromptOptions:

@@ -27,6 +27,28 @@ from clarifier.core.schema import Example
 from clarifier.core.metrics import Prediction
 
 
+def engine_from_spec(spec: dict, cpus: float = 1):
+    """The ``ClarifierEngine`` a scorer actor holds (see :class:`ScorerActor` for ``spec``), computing
+    with exactly ``cpus`` torch threads."""
+    from clarifier.core.prompt import PromptOptions
+    from clarifier.engine.inference import ClarifierEngine
+    from clarifier.engine.precision import set_threads
+
+    set_threads(cpus)  # exactly the CPUs this actor reserved
+    device, precision = spec.get("device", "cpu"), spec.get("precision", "auto")
+    if spec.get("base_model"):
+        return ClarifierEngine.from_base(
+            spec["base_model"], cache_dir=spec.get("cache_dir"), threshold=float(spec.get("threshold", 0.5)),
+            prompt_opts=PromptOptions(**(spec.get("prompt") or {})),
+            max_new_tokens=int(spec.get("max_new_tokens", 48)), precision=precision, device=device)
+    from clarifier.engine.loading import load_engine
+
+    return load_engine(
+        spec["model_uri"], download_dir=spec.get("download_dir"), tracking_uri=spec.get("tracking_uri"),
+        cache_dir=spec.get("cache_dir"), max_new_tokens=int(spec.get("max_new_tokens", 48)),
+        precision=precision, device=device)
+
+
 class ScorerActor:
     """A stateful Ray Data UDF: one ``ClarifierEngine`` per actor, loaded in ``__init__``.
 
@@ -37,26 +59,9 @@ class ScorerActor:
     """
 
     def __init__(self, spec: dict, mode: str = "predict", batch_size: int = 8, cpus: float = 1):
-        from clarifier.engine.inference import ClarifierEngine
-        from clarifier.engine.precision import set_threads
-        from clarifier.core.prompt import PromptOptions
-
         if mode not in ("predict", "score"):
             raise ValueError(f"ScorerActor mode must be 'predict' or 'score', got {mode!r}")
-        set_threads(cpus)  # exactly the CPUs this actor reserved
-        device, precision = spec.get("device", "cpu"), spec.get("precision", "auto")
-        if spec.get("base_model"):
-            self.engine = ClarifierEngine.from_base(
-                spec["base_model"], cache_dir=spec.get("cache_dir"), threshold=float(spec.get("threshold", 0.5)),
-                prompt_opts=PromptOptions(**(spec.get("prompt") or {})),
-                max_new_tokens=int(spec.get("max_new_tokens", 48)), precision=precision, device=device)
-        else:
-            from clarifier.engine.loading import load_engine
-
-            self.engine = load_engine(
-                spec["model_uri"], download_dir=spec.get("download_dir"), tracking_uri=spec.get("tracking_uri"),
-                cache_dir=spec.get("cache_dir"), max_new_tokens=int(spec.get("max_new_tokens", 48)),
-                precision=precision, device=device)
+        self.engine = engine_from_spec(spec, cpus)
         self.mode = mode
         self.batch_size = batch_size
 

@@ -1,4 +1,4 @@
-"""Submit a stage (``data prepare``, ``train``, ``eval``) as a Ray job to a running cluster.
+"""Submit a stage (``data prepare``, ``train``, ``eval``, ``audit``) as a Ray job to a running cluster.
 
     clarifier train --submit http://head:8265 -c jobs/configs/cluster-gpu.yaml train.max_steps=100
 
@@ -80,10 +80,14 @@ def absolute_path(p: str) -> str:
 def portable_config(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> ClarifierConfig:
     """The config with local relative paths made absolute (the job runs in its own working dir)."""
     upd = {}
-    for section, key in (("storage", "root"), ("data", "input"), ("data", "output"), ("data", "mirror"), ("model", "cache_dir")):
+    for section, key in (("storage", "root"), ("data", "input"), ("data", "output"), ("data", "mirror"), ("model", "cache_dir"),
+                         ("audit", "logs"), ("audit", "output"), ("audit", "eval_report")):
         v = getattr(getattr(cfg, section), key)
         if v and absolute_path(v) != v:
             upd.setdefault(section, {})[key] = absolute_path(v)
+    mu = cfg.audit.model_uri
+    if mu and Path(mu).expanduser().exists() and absolute_path(mu) != mu:
+        upd.setdefault("audit", {})["model_uri"] = absolute_path(mu)
     bm = cfg.model.base_model
     if Path(bm).expanduser().exists() and absolute_path(bm) != bm:
         upd.setdefault("model", {})["base_model"] = absolute_path(bm)

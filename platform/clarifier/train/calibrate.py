@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clarifier.core.metrics import pick_threshold, threshold_sweep
+from clarifier.core.metrics import decision_metrics, pick_threshold, threshold_sweep
 
 
 def best_f1_threshold(gold: list[bool], scores: list[float]) -> float:
@@ -33,7 +33,7 @@ def choose_threshold(gold: list[bool], scores: list[float], max_over_asking: flo
 
 
 def calibrate_model(folder: str | Path, examples, *, max_over_asking: float | None = None, cache_dir=None,
-                    batch_size: int = 8, progress=print, precision: str = "auto") -> dict:
+                    batch_size: int = 8, progress=print, precision: str = "auto", split: str = "dev") -> dict:
     """Score ``examples`` with the model in ``folder`` (in ``precision``, as evaluation and serving
     load it), choose a threshold, store it; returns a summary."""
     from dataclasses import replace
@@ -45,8 +45,11 @@ def calibrate_model(folder: str | Path, examples, *, max_over_asking: float | No
     scores = engine.score_examples(examples, batch_size)
     gold = [e.needs_clarification for e in examples]
     thr, rule = choose_threshold(gold, scores, max_over_asking)
+    dm = decision_metrics(gold, [s >= thr for s in scores])
+    counts = {"split": split, "n": dm["n"], "tp": dm["tp"], "fn": dm["fn"], "tn": dm["tn"], "fp": dm["fp"], "rule": rule}
     meta = read_meta(folder)
-    write_meta(folder, replace(meta, threshold=thr))
+    write_meta(folder, replace(meta, threshold=thr, calibration=counts))
     progress(f"[calibrate] threshold {thr:.3f} ({rule}) from {len(examples)} dev examples "
              f"({sum(gold)} need clarification), scored in {engine.precision}")
-    return {"threshold": thr, "rule": rule, "n": len(examples), "positives": sum(gold), "precision": engine.precision}
+    return {"threshold": thr, "rule": rule, "n": len(examples), "positives": sum(gold), "precision": engine.precision,
+            "counts": counts}

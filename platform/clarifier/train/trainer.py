@@ -313,4 +313,4 @@ def _calibrate(cfg: ClarifierConfig, folder: Path, progress) -> dict | None:
         return None
     return calibrate_model(folder, examples, max_over_asking=cfg.eval.max_over_asking,
                            cache_dir=cfg.model.cache_dir, batch_size=cfg.eval.batch_size, progress=progress,
-                           precision=cfg.model.precision)
+                           precision=cfg.model.precision, split=split)

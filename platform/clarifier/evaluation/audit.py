@@ -1,0 +1,509 @@
+"""The RAG-log audit: is a clarifier worth it for this assistant? A Ray Data batch job over logs.
+
+    summary = run_audit(cfg)     # cfg.audit.logs, cfg.audit.output, cfg.audit.model_uri
+
+Stages (Ray Data; only small counts reach the driver):
+
+1. **read** every log file under ``audit.logs`` (folder, file or ``s3://``; JSONL, JSONL.gz, Parquet):
+   each record becomes its user turns with their outcome signals, or one quarantine row naming the
+   problem (:mod:`clarifier.data.audit_stages`); quarantined lines go to ``<output>/quarantine/``;
+2. **reformulation** (``audit.signals.reformulation``): MiniLM similarity of each user turn and the
+   next, in an actor pool;
+3. **score**: P(clarify) of every user turn, the engine's one-forward-pass decision
+   (``ClarifierEngine.score``) in a pool of ``audit.actors`` scorer actors; ``flagged`` = at the
+   model's threshold; ``failed`` = any failure signal. Written to ``<output>/turns/`` (Parquet: ids,
+   score, decision, signals, segments and the turn itself, for reading and re-scoring);
+4. **aggregate**: per (dimension, value, conversation bucket, failed) counts, in one pass over the
+   written turns (:func:`partial_counts`, a Ray groupby);
+5. in the driver: the flagged share of all turns and of failed turns, each with a bootstrap interval
+   over conversation buckets and **corrected for the model's error rates** (Rogan-Gladen,
+   :mod:`clarifier.core.prevalence`), the verdict against ``audit.rule_share``, breakdowns by segment,
+   turn position and failure signal, a score histogram; questions generated for a seeded sample of
+   flagged turns; the report (:mod:`clarifier.evaluation.audit_report`), logged to MLflow when a
+   tracking URI is set.
+
+The model's error rates (``audit.error_rates``) come from the logs' own labelled turns when there are
+enough of them (the only in-domain measurement), else from an evaluation report, else from the
+counts its calibration stored with the model (its dev split).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+
+from clarifier.core.config import ClarifierConfig
+from clarifier.core.prevalence import ErrorRates, share_estimate, verdict
+from clarifier.data.audit_stages import FILE_COUNTS, QUARANTINE_COLUMNS, parse_audit_files, segment_column
+from clarifier.data.signals import SIGNALS
+from clarifier.runtime import storage
+
+SUFFIXES = {"jsonl": ".jsonl", "jsonl.gz": ".jsonl.gz", "parquet": ".parquet"}
+TURNS_DIR, QUARANTINE_DIR, REPORT = "turns", "quarantine", "report.json"
+HIST_BINS = 20
+POSITIONS = 5  # user positions 1..4 and "5+"
+TURN_COLUMNS = ["id", "conversation_id", "turn_index", "user_position", "bucket", "sample_key", "score", "flagged",
+                "failed", "answered", "n_passages", *SIGNALS, "feedback_unknown", "reformulation_sim", "gold",
+                "source", "line", "turn_json"]
+
+
+class AuditError(RuntimeError):
+    """The audit failed part-way (storage, a worker); the message names the logs and the output."""
+
+
+# ---- stages run in Ray workers ---------------------------------------------------------------
+
+
+class TurnScorer:
+    """Ray Data UDF (actor pool): ``score`` = P(clarify) of each row's ``turn_json``, ``flagged`` at the
+    model's threshold, the reformulation signal (with ``reformulation``: the MiniLM encoder held by the
+    same actor) and ``failed`` from the signal columns. One pool holds both models, so the cheap stages
+    after it never wait for a CPU."""
+
+    def __init__(self, spec: dict, batch_size: int = 8, cpus: float = 1, reformulation: dict | None = None):
+        from clarifier.data.signals import ReformulationScorer
+        from clarifier.evaluation.ray_engine import engine_from_spec
+
+        self.engine = engine_from_spec(spec, cpus)
+        self.batch_size = batch_size
+        self.reformulation = ReformulationScorer(**reformulation) if reformulation else None
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from clarifier.core.schema import Example
+
+        examples = [Example.model_validate_json(s) for s in batch.column("turn_json").to_pylist()]
+        scores: list[float] = []
+        for start in range(0, len(examples), self.batch_size):
+            chunk = examples[start:start + self.batch_size]
+            scores += self.engine.score([(e.history, e.query, e.passages) for e in chunk])
+        thr = self.engine.threshold
+        batch = batch.append_column("score", pa.array(scores, pa.float64()))
+        batch = batch.append_column("flagged", pa.array([s >= thr for s in scores], pa.bool_()))
+        if self.reformulation is not None:
+            batch = self.reformulation(batch)
+        else:
+            batch = batch.append_column("reformulation_sim", pa.array([None] * batch.num_rows, pa.float32()))
+            batch = batch.append_column("reformulation", pa.array([None] * batch.num_rows, pa.bool_()))
+        return mark_failed(batch)
+
+
+def mark_failed(batch: pa.Table) -> pa.Table:
+    """``failed`` = any failure signal (feedback negative, no answer, escalation, reformulation)."""
+    cols = {s: batch.column(s).to_pylist() for s in SIGNALS}
+    failed = [any(bool(cols[s][i]) for s in SIGNALS) for i in range(batch.num_rows)]
+    return batch.append_column("failed", pa.array(failed, pa.bool_()))
+
+
+def _position(p: int) -> str:
+    return str(p) if p < POSITIONS else f"{POSITIONS}+"
+
+
+def partial_counts(batch: pa.Table, *, segments: list[str]) -> pa.Table:
+    """Counts of one batch of scored turns: rows ``(dim, value, bucket, failed, n, flagged)``.
+
+    Dimensions: ``all``; ``position`` (user turn 1..4, 5+); ``answered``; ``passages`` (with/without);
+    ``segment:<field>``; ``signal`` (the turns each failure signal fired on); ``feedback`` (``seen`` /
+    ``unknown``); ``gold`` (labelled turns: true/false); ``hist`` (score bins of width 1/20, bucket 0).
+    """
+    d = batch.to_pydict()
+    acc: dict[tuple, list[int]] = {}
+
+    def add(dim, value, bucket, failed, flagged):
+        a = acc.setdefault((dim, value, bucket, failed), [0, 0])
+        a[0] += 1
+        a[1] += int(flagged)
+
+    for i in range(batch.num_rows):
+        b, f, k = int(d["bucket"][i]), bool(d["failed"][i]), bool(d["flagged"][i])
+        add("all", "", b, f, k)
+        add("position", _position(int(d["user_position"][i])), b, f, k)
+        add("answered", "yes" if d["answered"][i] else "no", b, f, k)
+        add("passages", "with" if d["n_passages"][i] else "without", b, f, k)
+        for s in segments:
+            add(f"segment:{s}", d[segment_column(s)][i], b, f, k)
+        for s in SIGNALS:
+            if d[s][i]:
+                add("signal", s, b, f, k)
+        if d["feedback"][i] is not None:
+            add("feedback", "seen", b, f, k)
+        if d["feedback_unknown"][i]:
+            add("feedback", "unknown", b, f, k)
+        if d["gold"][i] is not None:
+            add("gold", "true" if d["gold"][i] else "false", b, f, k)
+        add("hist", f"{min(int(float(d['score'][i]) * HIST_BINS), HIST_BINS - 1):02d}", 0, f, k)
+    keys = list(acc)
+    return pa.table({"dim": [k[0] for k in keys], "value": [k[1] for k in keys], "bucket": [k[2] for k in keys],
+                     "failed": [k[3] for k in keys], "n": [acc[k][0] for k in keys], "flagged": [acc[k][1] for k in keys]},
+                    schema=pa.schema([("dim", pa.string()), ("value", pa.string()), ("bucket", pa.int64()),
+                                      ("failed", pa.bool_()), ("n", pa.int64()), ("flagged", pa.int64())]))
+
+
+def smallest_keys(batch: pa.Table, *, k: int) -> pa.Table:
+    """The ``k`` rows of a batch with the smallest ``sample_key`` (a seeded sample that merges exactly)."""
+    if batch.num_rows <= k:
+        return batch
+    order = pa.compute.sort_indices(batch, sort_keys=[("sample_key", "ascending")])
+    return batch.take(order[:k])
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+
+def default_model_uri(cfg: ClarifierConfig) -> str:
+    """``audit.model_uri``; else the registry's ``name@alias`` when a tracking URI is set; else the
+    quickstart's model folder; else an error saying what to pass."""
+    import os
+
+    if cfg.audit.model_uri:
+        return cfg.audit.model_uri
+    if cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"):
+        return f"models:/{cfg.registry.model_name}@{cfg.registry.alias}"
+    quick = Path(".clarifier/quickstart/model")
+    if (quick / "clarifier.json").is_file():
+        return str(quick.resolve())
+    raise ValueError("no model to audit with: pass --model (a model folder, models:/name@alias with a tracking URI, "
+                     "runs:/..., s3://...), or run `clarifier quickstart` first (its model is the default)")
+
+
+def _error_rates(cfg: ClarifierConfig, meta, gold: dict[str, tuple[int, int]], notes: list[str]) -> ErrorRates | None:
+    """The model's confusion counts for the correction (see ``audit.error_rates``)."""
+    a = cfg.audit
+    pos_n, pos_k = gold.get("true", (0, 0))
+    neg_n, neg_k = gold.get("false", (0, 0))
+    labels = ErrorRates(tp=pos_k, fn=pos_n - pos_k, tn=neg_n - neg_k, fp=neg_k,
+                        source=f"{pos_n + neg_n} labelled turns in these logs (in-domain)")
+    enough = pos_n >= a.min_labelled and neg_n >= a.min_labelled
+
+    def from_report() -> ErrorRates | None:
+        if not a.eval_report:
+            return None
+        try:
+            rep = json.loads(storage.read_text(a.eval_report))
+            dm = rep["models"]["model"]["metrics"]["decision"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"audit.eval_report {a.eval_report!r} is not a `clarifier eval` report.json "
+                             f"({type(exc).__name__}: {exc})") from None
+        thr = rep.get("threshold")
+        if thr is not None and abs(float(thr) - float(meta.threshold)) > 1e-6:
+            notes.append(f"the evaluation report was made at threshold {float(thr):.3f}, the model now has "
+                         f"{meta.threshold:.3f}: its error rates may not apply")
+        return ErrorRates(tp=dm["tp"], fn=dm["fn"], tn=dm["tn"], fp=dm["fp"],
+                          source=f"evaluation report {a.eval_report} ({rep.get('data_name') or rep.get('data')}, n={dm['n']})")
+
+    def from_calibration() -> ErrorRates | None:
+        c = getattr(meta, "calibration", None)
+        if not c:
+            return None
+        return ErrorRates(tp=c["tp"], fn=c["fn"], tn=c["tn"], fp=c["fp"],
+                          source=f"the model's calibration split ({c.get('split', 'dev')}, n={c['n']})")
+
+    choice = a.error_rates
+    if choice == "none":
+        notes.append("audit.error_rates=none: the shares are the model's raw flags, not corrected")
+        return None
+    if choice == "labels" or (choice == "auto" and enough):
+        if not enough:
+            notes.append(f"audit.error_rates=labels but the logs have {pos_n} labelled turns needing clarification "
+                         f"and {neg_n} clear ones (< audit.min_labelled={a.min_labelled} each): not corrected")
+            return None
+        rates = labels
+    elif choice == "report" or (choice == "auto" and a.eval_report):
+        rates = from_report()
+        if rates is None:
+            raise ValueError("audit.error_rates=report needs audit.eval_report (a `clarifier eval` report.json)")
+    else:
+        rates = from_calibration()
+        if rates is None:
+            notes.append("the model has no stored calibration counts and no evaluation report or labelled turns were "
+                         "given: not corrected (set audit.eval_report, or label some turns of these logs)")
+            return None
+    if choice == "auto" and not enough and pos_n + neg_n:
+        notes.append(f"{pos_n + neg_n} labelled turns in the logs are fewer than audit.min_labelled={a.min_labelled} "
+                     "per class; the error rates come from " + rates.source)
+    if not rates.usable:
+        notes.append(f"the model's error rates ({rates.source}: recall {rates.sensitivity}, false-positive rate "
+                     f"{None if rates.specificity is None else 1 - rates.specificity}) are no better than chance: "
+                     "the flagged share cannot be corrected")
+    if "in-domain" not in rates.source:
+        notes.append("the error rates were measured on other data than these logs; on logs unlike that data they may "
+                     "differ (label ~100 turns of each class in these logs for an in-domain correction)")
+    return rates
+
+
+def _estimates(groups: dict, rates, cfg) -> dict:
+    a = cfg.audit
+
+    def est(by_bucket, which):
+        k = [v[which][1] for v in by_bucket.values()]
+        n = [v[which][0] for v in by_bucket.values()]
+        return share_estimate(k, n, rates, bootstrap=a.bootstrap, confidence=a.confidence, seed=a.seed)
+
+    return {key: {"turns": est(b, "all"), "failed": est(b, "failed")} for key, b in groups.items()}
+
+
+def _group(rows: list[dict], max_values: int) -> dict:
+    """``{(dim, value): {bucket: {"all": [n, k], "failed": [n, k]}}}``, rare segment values as 'other'."""
+    totals: dict[tuple, int] = {}
+    for r in rows:
+        totals[(r["dim"], r["value"])] = totals.get((r["dim"], r["value"]), 0) + r["n"]
+    keep: set[tuple] = set()
+    for dim in {d for d, _ in totals}:
+        vals = sorted(((n, v) for (d, v), n in totals.items() if d == dim), reverse=True)
+        limit = max_values if dim.startswith("segment:") else len(vals)
+        keep |= {(dim, v) for _, v in vals[:limit]}
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["dim"], r["value"]) if (r["dim"], r["value"]) in keep else (r["dim"], "other")
+        cell = out.setdefault(key, {}).setdefault(r["bucket"], {"all": [0, 0], "failed": [0, 0]})
+        cell["all"][0] += r["n"]
+        cell["all"][1] += r["flagged"]
+        if r["failed"]:
+            cell["failed"][0] += r["n"]
+            cell["failed"][1] += r["flagged"]
+    return out
+
+
+def run_audit(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> dict:
+    """Run the audit for ``cfg.audit`` and return its summary (also ``<output>/report.json``)."""
+    a = cfg.audit
+    if not a.logs:
+        raise ValueError("audit.logs is empty: pass --logs (a folder, file or s3:// prefix of chat logs)")
+    if not a.output:
+        raise ValueError("audit.output is empty: pass --out (a folder or s3:// prefix for the report)")
+    if not a.formats:
+        raise ValueError("audit.formats is empty: list at least one of jsonl, jsonl.gz, parquet")
+    try:
+        return _run(cfg, progress)
+    except (ValueError, FileNotFoundError, AuditError):
+        raise
+    except Exception as exc:
+        if type(exc).__name__ == "ModelResolutionError":
+            raise
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+        raise AuditError(f"audit failed ({type(exc).__name__}: {(lines[-1] if lines else '')[:500]}); logs "
+                         f"{a.logs!r}, output {a.output!r}: rerun once the cause is fixed") from exc
+
+
+def _run(cfg: ClarifierConfig, progress) -> dict:
+    from ray.data.expressions import col
+
+    from clarifier.engine.inference import read_meta
+    from clarifier.engine.loading import resolve_model
+    from clarifier.engine.precision import describe
+    from clarifier.runtime.cluster import init_ray
+    from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
+
+    a = cfg.audit
+    t0 = time.time()
+    started = _dt.datetime.now(_dt.timezone.utc)
+    storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
+    model_uri = a.model_uri or default_model_uri(cfg)
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    resolved = resolve_model(model_uri, cache_dir=cfg.model.cache_dir, tracking_uri=tracking_uri)
+    meta = read_meta(resolved.folder)
+    if Path(model_uri).is_dir():
+        model_uri = str(Path(model_uri).resolve())  # actors may run in another working directory
+    files = storage.list_files(a.logs, tuple(SUFFIXES[f] for f in a.formats))
+    if not files:
+        raise FileNotFoundError(f"no {'/'.join(SUFFIXES[f] for f in a.formats)} files under {a.logs}")
+    progress(f"[audit] {len(files)} log file(s) under {a.logs}; model {model_uri} (version {resolved.version or '-'}, "
+             f"threshold {meta.threshold:.3f})")
+    for sub in (TURNS_DIR, QUARANTINE_DIR):
+        storage.delete_dir(storage.join(a.output, sub))
+
+    ray = init_ray()
+    fs, _ = storage.filesystem(a.logs)
+    scheme = "s3://" if storage.is_s3(a.logs) else ""
+    paths = [storage.filesystem(f)[1] for f in files]
+    parsed = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=min(len(paths), 200)).map_batches(
+        parse_audit_files, batch_size=1, batch_format="pyarrow",
+        fn_kwargs={"filesystem": fs, "scheme": scheme, "audit": a.model_dump()}).materialize()
+    per_file = parsed.filter(expr=col("kind") == "file").select_columns(FILE_COUNTS).take_all()
+    counts = {k: sum(int(r[k] or 0) for r in per_file) for k in FILE_COUNTS}
+    if counts["n_lines"] != counts["n_lines_with_turns"] + counts["n_quarantined"]:
+        raise AuditError(f"count mismatch: {counts['n_lines']} rows read but {counts['n_lines_with_turns']} gave turns "
+                         f"and {counts['n_quarantined']} were quarantined")
+    progress(f"[audit] read {counts['n_lines']} conversations: {counts['n_turns']} user turns, "
+             f"{counts['n_quarantined']} quarantined" + (f" (-> {storage.join(a.output, QUARANTINE_DIR)})"
+                                                         if counts["n_quarantined"] else ""))
+    quarantine_reasons: dict[str, int] = {}
+    if counts["n_quarantined"]:
+        q = parsed.filter(expr=col("kind") == "quarantine").select_columns(QUARANTINE_COLUMNS)
+        uri = storage.join(a.output, QUARANTINE_DIR)
+        qfs, qpath = storage.filesystem(uri)
+        q.write_parquet(qpath, filesystem=qfs)
+        for r in q.select_columns(["reason"]).take(1000):
+            short = r["reason"].split(":")[0][:80]
+            quarantine_reasons[short] = quarantine_reasons.get(short, 0) + 1
+    if not counts["n_turns"]:
+        raise ValueError(f"no user turns in {a.logs}: {counts['n_quarantined']} of {counts['n_lines']} records were "
+                         f"quarantined (see {storage.join(a.output, QUARANTINE_DIR)})")
+
+    turns = parsed.filter(expr=col("kind") == "turn")
+    rf = a.signals.reformulation
+    reform = {"encoder": rf.encoder, "min_similarity": rf.min_similarity, "cpus": a.cpus_per_actor} if rf.enabled else None
+    if rf.enabled:
+        progress(f"[audit] reformulation signal: {rf.encoder or 'all-MiniLM-L6-v2'} similarity >= {rf.min_similarity}")
+    spec = {"model_uri": model_uri, "tracking_uri": tracking_uri, "cache_dir": cfg.model.cache_dir,
+            "max_new_tokens": cfg.eval.max_new_tokens, "precision": cfg.model.precision,
+            **({"device": "cuda"} if a.gpus_per_actor else {})}
+    precision = describe(cfg.model.precision, "cuda" if a.gpus_per_actor else "cpu")
+    progress(f"[audit] scoring {counts['n_turns']} turns with {a.actors} actor(s), {precision}")
+    scored = turns.map_batches(
+        TurnScorer, batch_size=a.batch_size * 4, batch_format="pyarrow",
+        fn_constructor_kwargs={"spec": spec, "batch_size": a.batch_size, "cpus": a.cpus_per_actor,
+                               "reformulation": reform},
+        compute=ray.data.ActorPoolStrategy(size=a.actors), num_cpus=a.cpus_per_actor,
+        num_gpus=a.gpus_per_actor or None,
+    )
+    turns_uri = storage.join(a.output, TURNS_DIR)
+    tfs, tpath = storage.filesystem(turns_uri)
+    seg_cols = [segment_column(s) for s in a.segments]
+    # The write needs no CPU of its own: with every CPU held by scorer actors it still runs.
+    scored.select_columns(TURN_COLUMNS + seg_cols).write_parquet(tpath, filesystem=tfs, ray_remote_args={"num_cpus": 0})
+    t_scored = time.time() - t0
+    progress(f"[audit] scored turns -> {turns_uri} ({t_scored:.0f}s)")
+
+    written = ray.data.read_parquet(tpath, filesystem=tfs)
+    agg_cols = ["bucket", "failed", "flagged", "user_position", "answered", "n_passages", *SIGNALS, "feedback_unknown",
+                "gold", "score", *seg_cols]
+    rows = (written.select_columns(agg_cols)
+            .map_batches(partial_counts, batch_format="pyarrow", fn_kwargs={"segments": list(a.segments)})
+            .groupby(["dim", "value", "bucket", "failed"]).sum(["n", "flagged"]).take_all())
+    rows = [{"dim": r["dim"], "value": r["value"], "bucket": int(r["bucket"]), "failed": bool(r["failed"]),
+             "n": int(r["sum(n)"]), "flagged": int(r["sum(flagged)"])} for r in rows]
+    hist = _histogram([r for r in rows if r["dim"] == "hist"])
+    groups = _group([r for r in rows if r["dim"] != "hist"], a.max_segment_values)
+    gold = {v: (sum(c["all"][0] for c in b.values()), sum(c["all"][1] for c in b.values()))
+            for (d, v), b in groups.items() if d == "gold"}
+    notes: list[str] = []
+    rates = _error_rates(cfg, meta, gold, notes)
+    ests = _estimates(groups, rates, cfg)
+    head = ests[("all", "")]
+    answer = verdict(head["failed"], a.rule_share)
+    signals_seen = {s: ests.get(("signal", s), {}).get("turns", {}).get("n", 0) for s in SIGNALS}
+    signals_seen["feedback_values"] = ests.get(("feedback", "seen"), {}).get("turns", {}).get("n", 0)
+    signals_seen["feedback_not_understood"] = ests.get(("feedback", "unknown"), {}).get("turns", {}).get("n", 0)
+    if not head["failed"]["n"]:
+        notes.append("no turn in these logs carries a failure signal (feedback, no-answer replies, escalation, "
+                     "reformulation): only the flagged share of all turns is reported")
+
+    sample = _sample_questions(ray, written, spec, a, progress) if a.sample_questions else []
+    summary = {
+        "started": started.isoformat(timespec="seconds"), "seconds": round(time.time() - t0, 1),
+        "seconds_read_and_score": round(t_scored, 1), "logs": a.logs, "output": a.output,
+        "model_uri": model_uri, "model_version": resolved.version, "base_model": meta.base_model,
+        "threshold": meta.threshold, "precision": precision, "actors": a.actors,
+        "counts": {"files": len(files), "records": counts["n_lines"], "blank_lines": counts["n_blank"],
+                   "quarantined": counts["n_quarantined"], "quarantine_reasons": quarantine_reasons,
+                   "turns": counts["n_turns"], "failed_turns": head["failed"]["n"]},
+        "signals_present": signals_seen,
+        "error_rates": rates.as_dict() if rates else None,
+        "rule_share": a.rule_share, "verdict": answer,
+        "flagged_share": head["turns"], "failed_needing_clarification": head["failed"],
+        "breakdowns": _breakdowns(ests, a.segments),
+        "histogram": hist, "sample": sample, "notes": notes,
+        "config": a.model_dump(mode="json"),
+    }
+    from clarifier.evaluation.audit_report import format_summary, write_audit_report
+
+    summary["paths"] = _write_report(summary, a.output, write_audit_report)
+    _log_to_mlflow(cfg, summary, progress)
+    progress(format_summary(summary))
+    return summary
+
+
+def _histogram(rows: list[dict]) -> dict:
+    bins = [{"lo": i / HIST_BINS, "hi": (i + 1) / HIST_BINS, "failed": 0, "ok": 0} for i in range(HIST_BINS)]
+    for r in rows:
+        bins[int(r["value"])]["failed" if r["failed"] else "ok"] += r["n"]
+    return {"bins": bins}
+
+
+def _breakdowns(ests: dict, segments: list[str]) -> dict:
+    def rows(dim):
+        out = [{"value": v, "turns": e["turns"], "failed": e["failed"]} for (d, v), e in ests.items() if d == dim]
+        return sorted(out, key=lambda r: (-r["turns"]["n"], r["value"]))
+
+    out = {f"segment:{s}": rows(f"segment:{s}") for s in segments}
+    out["position"] = sorted(rows("position"), key=lambda r: r["value"])
+    out["signal"] = rows("signal")
+    out["answered"] = rows("answered")
+    out["passages"] = rows("passages")
+    return out
+
+
+def _sample_questions(ray, written, spec: dict, a, progress) -> list[dict]:
+    """Questions for a seeded sample of flagged turns (the smallest sample keys), generated by the model."""
+    from ray.data.expressions import col
+
+    from clarifier.core.schema import Example
+    from clarifier.evaluation.ray_engine import ray_predict
+
+    k = a.sample_questions
+    cand = (written.filter(expr=col("flagged"))
+            .select_columns(["sample_key", "id", "score", "failed", "turn_json"])
+            .map_batches(smallest_keys, batch_format="pyarrow", fn_kwargs={"k": k}).take_all())
+    cand = sorted(cand, key=lambda r: r["sample_key"])[:k]
+    if not cand:
+        return []
+    examples = [Example.model_validate_json(r["turn_json"]) for r in cand]
+    progress(f"[audit] generating questions for {len(examples)} flagged turns (a seeded sample)")
+    preds = ray_predict(examples, spec, mode="predict", batch_size=a.batch_size, actors=1,
+                        cpus_per_actor=a.cpus_per_actor, gpus_per_actor=a.gpus_per_actor)
+    return [{"id": r["id"], "score": round(float(r["score"]), 4), "failed": bool(r["failed"]),
+             "history": [t.model_dump() for t in e.history[-4:]], "query": e.query,
+             "passages": [p.id for p in e.passages], "question": p.question, "valid": p.valid,
+             "grounding_turns": list(p.grounding_turns)}
+            for r, e, p in zip(cand, examples, preds)]
+
+
+def _write_report(summary: dict, output: str, writer) -> dict:
+    if storage.is_s3(output):
+        with tempfile.TemporaryDirectory(prefix="clarifier-audit-") as tmp:
+            paths = writer(summary, Path(tmp))
+            storage.upload_dir(tmp, output)
+            return {k: storage.join(output, Path(v).name) for k, v in paths.items()}
+    return {k: str(v) for k, v in writer(summary, Path(output)).items()}
+
+
+def _log_to_mlflow(cfg: ClarifierConfig, summary: dict, progress) -> None:
+    """Logs the audit as an MLflow run (experiment ``<train.experiment>-audit``) when a tracking URI is set."""
+    import os
+
+    uri = cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return
+    import mlflow
+
+    from clarifier.runtime.mlflow_uri import absolute_tracking_uri
+
+    mlflow.set_tracking_uri(absolute_tracking_uri(uri))
+    mlflow.set_experiment(f"{cfg.train.experiment}-audit")
+    f, t = summary["failed_needing_clarification"], summary["flagged_share"]
+    metrics = {"audit/turns": summary["counts"]["turns"], "audit/failed_turns": f["n"],
+               "audit/quarantined": summary["counts"]["quarantined"]}
+    for name, est in (("flagged_share", t), ("failed_needing_clarification", f)):
+        for key in ("raw", "corrected"):
+            if est.get(key) is not None:
+                metrics[f"audit/{name}/{key}"] = est[key]
+                ci = est.get(f"{key}_ci")
+                if ci:
+                    metrics[f"audit/{name}/{key}_lo"], metrics[f"audit/{name}/{key}_hi"] = ci
+    with mlflow.start_run(run_name=f"audit-{summary['started'][:10]}") as run:
+        mlflow.log_params({"logs": summary["logs"], "model_uri": summary["model_uri"], "rule_share": summary["rule_share"],
+                           "error_rates": (summary["error_rates"] or {}).get("source", "none")[:500]})
+        mlflow.set_tags({"clarifier.stage": "audit", "audit.verdict": summary["verdict"]["decision"],
+                         "audit.model_version": str(summary["model_version"] or "")})
+        mlflow.log_metrics(metrics)
+        for p in summary["paths"].values():
+            if not storage.is_s3(p) and Path(p).is_file():
+                mlflow.log_artifact(p, artifact_path="audit")
+        summary["mlflow_run_id"] = run.info.run_id
+    progress(f"[audit] logged to MLflow run {summary['mlflow_run_id']} (experiment {cfg.train.experiment}-audit)")
