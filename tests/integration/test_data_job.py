@@ -41,7 +41,7 @@ def job(ray_local, tiny_model_dir, tmp_path_factory):
         "",                                                         # n0+2 blank: skipped, not a row
         json.dumps({"id": "q-missing", "needs_clarification": False}),  # n0+3
         json.dumps({"id": "o", "query": "hi", "needs_clarification": False,
-                    "history": [{"role": "user", "text": "x" * 5000}]}),  # n0+4 oversized
+                    "history": [{"role": "user", "text": "x" * 200_001}]}),  # n0+4 oversized (the abuse guard)
         first[0],                                                   # n0+5 duplicate of line 1
         json.dumps(long_query),                                     # n0+6 too long after tokenising
         json.dumps({"id": "eval-1", "history": [], "query": "what is my balance?", "needs_clarification": False}),

@@ -40,9 +40,11 @@ JOB_COMMANDS = {  # jobs/<file> -> the `clarifier` CLI sub-command it runs
     "train.py": ["train"],
     "evaluate.py": ["eval"],
     "register.py": ["models", "register"],
+    "audit.py": ["audit"],
 }
 EXPECTED_FILES = {"raycluster.yaml", "rayjob-prepare.yaml", "rayjob-train.yaml",
-                  "rayjob-evaluate.yaml", "rayjob-register.yaml", "rayservice.yaml"}
+                  "rayjob-evaluate.yaml", "rayjob-register.yaml", "rayservice.yaml",
+                  "rayjob-audit.yaml"}
 
 needs_crds = pytest.mark.skipif(
     not CRDS.is_dir(),

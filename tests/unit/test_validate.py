@@ -174,3 +174,12 @@ def test_passages_are_part_of_the_dedup_identity():
     assert dedup_key(one) == dedup_key(one.model_copy(update={"id": "c"}))
     bare = Example(id="d", history=h, query="what's the limit?", needs_clarification=False)
     assert dedup_key(bare) != dedup_key(one) and dedup_key(bare) == dedup_key(bare.model_copy(update={"id": "e"}))
+
+
+def test_a_long_real_rag_answer_is_kept_by_default():
+    """A public multi-turn RAG benchmark has assistant answers of ~5,000 characters: part of a real
+    conversation, not abuse. The default guard is far above them (the renderer truncates by tokens)."""
+    rec = with_(history=[{"role": "user", "text": "how do I configure it?"}, {"role": "assistant", "text": "a" * 4990},
+                         {"role": "user", "text": "and the other one?"}, {"role": "assistant", "text": "b" * 12000}])
+    examples, q = parse_line(rec, "x", 1)
+    assert q is None and len(examples[0].history[1].text) == 4990

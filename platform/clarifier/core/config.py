@@ -148,7 +148,9 @@ class DataConfig(_Strict):
     split: dict[str, float] = {"train": 0.8, "dev": 0.1, "test": 0.1}
     seed: int = 0
     max_length: int = 512
-    max_turn_chars: int = 4000
+    max_turn_chars: int = Field(200_000, ge=1, description="Guard against abuse only: a record with a longer turn is "
+                                "quarantined. Real long turns (RAG answers of thousands of characters) are kept; the "
+                                "prompt renderer truncates them by tokens.")
     synthetic_conversations: int = 400
     shuffle_strategy: Literal["sort", "hash"] = Field(
         "sort", description="Ray Data shuffle behind the data job's aggregates (counts, duplicate keys): sort = the "
@@ -360,7 +362,8 @@ class ServeConfig(_Strict):
     batch_wait_timeout_s: float = Field(0.05, ge=0)
     max_new_tokens: int = Field(48, ge=1)
     max_history_turns: int = Field(50, ge=0)
-    max_chars: int = Field(20000, ge=1)
+    max_chars: int = Field(1_000_000, ge=1, description="Guard against abuse only: history + query + passages of one "
+                                                        "request; the prompt renderer truncates long turns by tokens.")
     max_batch_requests: int = Field(32, ge=1, description="Most requests in one POST /v1/clarify/batch.")
     api_keys_file: str | None = Field(
         None, description="File with API keys, one per line (# comments); also $CLARIFIER_API_KEYS (comma separated).")
