@@ -302,7 +302,7 @@ def audit(logs: Optional[str] = typer.Option(None, help="Folder, file or s3:// p
             setattr(cfg.audit, key, value)
     if submit:
         _submit(submit, ["audit"], cfg, [], installed_code)
-    from clarifier.evaluation.audit import run_audit
+    from clarifier.evaluation.audit import AuditError, run_audit
 
     storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
     try:
@@ -310,6 +310,9 @@ def audit(logs: Optional[str] = typer.Option(None, help="Folder, file or s3:// p
     except (ValueError, FileNotFoundError) as exc:
         console.print(f"[red]audit error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
+    except AuditError as exc:
+        console.print(f"[red]audit failed:[/red] {escape(str(exc))}")
+        raise typer.Exit(1)
     _say(json.dumps({"verdict": summary["verdict"]["decision"], "report": summary["paths"].get("html")}))
 
 

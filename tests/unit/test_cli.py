@@ -79,3 +79,19 @@ def test_sigterm_runs_finally_blocks(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 143
     assert marker.read_text() == "stopped"
+
+
+def test_audit_without_a_model_says_what_to_pass(tmp_path, monkeypatch):
+    """No --model, no tracking URI, no quickstart model: one clear line, exit 2, before Ray starts."""
+    from typer.testing import CliRunner
+
+    from clarifier.cli import app
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+    res = CliRunner().invoke(app, ["audit", "--logs", str(tmp_path / "logs"), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert "no model to audit with: pass --model" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["audit", "--out", str(tmp_path / "out"), "--model", "x"])
+    assert res.exit_code == 2 and "audit.logs is empty" in res.output
