@@ -110,15 +110,38 @@ def show_config(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str
 @data_app.command("synth")
 def data_synth(out: str = typer.Option(..., help="Folder or s3:// prefix for JSONL shards."),
                n: int = typer.Option(400, help="Number of conversations."), seed: int = 0, shards: int = 4,
-               generator: str = typer.Option("synthetic", help="synthetic (ambiguity from the history) or "
-                                             "synthetic_rag (ambiguity in each turn's retrieved passages).")):
-    """Write synthetic multi-turn conversation logs with gold labels."""
+               generator: str = typer.Option("synthetic", help="synthetic (ambiguity from the history), "
+                                             "synthetic_rag (ambiguity in each turn's retrieved passages) or "
+                                             "synthetic_chat (synthetic_rag as chat transcripts with planted "
+                                             "failures, for `clarifier audit`; no gold labels in the logs)."),
+               planted_share: float = typer.Option(0.15, help="synthetic_chat: share of the failed turns that "
+                                                   "need clarification."),
+               failure_rate: float = typer.Option(0.3, help="synthetic_chat: share of the labelled turns that fail.")):
+    """Write synthetic multi-turn conversation logs with gold labels (or chat logs with planted failures)."""
     import importlib
 
     from clarifier.data.sources import GENERATORS
+    from clarifier.data.synthetic_chatlogs import GENERATOR as CHAT
 
+    if generator == CHAT:
+        from clarifier.data.synthetic_chatlogs import PLANTED_FILE, write_chatlogs
+
+        try:
+            files = write_chatlogs(out, n, seed=seed, shards=shards, planted_share=planted_share,
+                                   failure_rate=failure_rate)
+        except ValueError as exc:
+            console.print(f"[red]{escape(str(exc))}[/red]")
+            raise typer.Exit(2)
+        from clarifier.runtime.storage import join, read_text
+
+        s = json.loads(read_text(join(out, PLANTED_FILE)))["summary"]
+        share = "n/a" if s["share"] is None else f"{s['share']:.3f}"
+        _say(f"wrote {n} {generator} conversations to {len(files)} files under {out}: {s['turns']} user turns, "
+             f"{s['failed']} failed, {s['failed_needing_clarification']} of them need clarification (planted share "
+             f"{share}; requested {planted_share}); the truth is in {PLANTED_FILE} and each record's metadata.planted")
+        return
     if generator not in GENERATORS:
-        console.print(f"[red]--generator {escape(generator)!r} is not one of {', '.join(GENERATORS)}[/red]")
+        console.print(f"[red]--generator {escape(generator)!r} is not one of {', '.join([*GENERATORS, CHAT])}[/red]")
         raise typer.Exit(2)
     files = importlib.import_module(GENERATORS[generator]).write_logs(out, n, seed=seed, shards=shards)
     _say(f"wrote {n} {generator} conversations to {len(files)} files under {out}")

@@ -42,6 +42,8 @@ OWNER_FILE = "_sources.json"
 SYNTHETIC = "synthetic"
 SYNTHETIC_RAG = "synthetic_rag"
 # Conversation-log generators usable as a source's importer: name -> module with write_logs(uri, n, seed=).
+# Not here: clarifier.data.synthetic_chatlogs (chat transcripts without labels, for `clarifier audit`; the
+# data job reads a generator's output as ConversationLogs). `clarifier data synth --generator synthetic_chat`.
 GENERATORS = {SYNTHETIC: "clarifier.data.synthetic", SYNTHETIC_RAG: "clarifier.data.synthetic_rag"}
 GENERATOR_OPTIONS = ("conversations", "seed")
 
