@@ -23,7 +23,7 @@ TEXT_SIGNALS = ("feedback", "no_answer", "escalation")
 def _turns(records):
     """``(AuditTurn, planted entry)`` of every user turn."""
     for r in records:
-        planted = r["metadata"]["planted"]
+        planted = r["planted"]
         turns = audit_turns(r, "fallback")
         assert sorted(int(t.id.rsplit(":", 1)[1]) for t in turns) == sorted(map(int, planted))
         for t in turns:
@@ -48,7 +48,7 @@ def test_every_record_parses_as_the_audit_reads_it(noisy):
     records = noisy + generate_chatlogs(300, seed=0)
     kinds = {"tool": 0, "documents": 0, "parts": 0, "system": 0}
     for r in records:
-        assert set(r) == {"id", "messages", "metadata"} and r["metadata"]["domain"]
+        assert set(r) == {"id", "messages", "metadata", "planted"} and r["metadata"]["domain"]
         for m in r["messages"]:
             assert "needs_clarification" not in m and "label" not in m  # no gold label the audit would read
             kinds["tool"] += m["role"] == "tool"
@@ -75,7 +75,7 @@ def test_realized_share(seed, share):
     assert s["share"] == pytest.approx(share, abs=0.01)
     assert s["failure_rate"] == pytest.approx(0.3, abs=0.01)
     assert s["failed_needing_clarification"] == sum(
-        e["failed"] and e["needs_clarification"] for r in records for e in r["metadata"]["planted"].values())
+        e["failed"] and e["needs_clarification"] for r in records for e in r["planted"].values())
 
 
 def test_planted_signals_are_the_signals_the_audit_reads(noisy):
@@ -210,3 +210,18 @@ def test_deterministic_across_processes():
     digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONHASHSEED": h}).stdout for h in ("1", "2")}
     assert len(digests) == 1
+
+
+def test_labelled_share_labels_a_sample_with_the_planted_truth():
+    from clarifier.data.chatlog import audit_turns
+
+    plain = generate_chatlogs(60, seed=3)
+    records = generate_chatlogs(60, seed=3, labelled_share=0.5)
+    turns = [t for r in records for t in audit_turns(r, "f")]
+    truth = {f"{r['id']}:{i}": e["needs_clarification"] for r in records for i, e in r["planted"].items()}
+    gold = [t for t in turns if t.gold is not None]
+    assert 0.35 * len(turns) < len(gold) < 0.65 * len(turns)
+    assert all(t.gold == truth[t.id] for t in gold)
+    strip = lambda r: [{k: v for k, v in m.items() if k != "needs_clarification"} for m in r["messages"]]  # noqa: E731
+    assert [strip(r) for r in records] == [strip(r) for r in plain]  # the same logs otherwise
+    assert all("planted" not in t.meta for t in turns)

@@ -22,18 +22,17 @@ an OpenAI-style transcript in exactly the shape :mod:`clarifier.data.chatlog` do
        ...],
      "metadata": {"domain": "banking", "source": "synthetic_chatlogs", "seed": 0,
                   "feedback": [{"message_index": 2, "thumbs": "up"}],                          # sometimes
-                  "escalated": true,                                                            # sometimes
-                  "planted": {"3": {"needs_clarification": true, "failed": true, "signals": ["feedback",
-                              "reformulation"], "feedback": "negative", "turn": "labelled",
-                              "kind": "rag_ambiguous"}, ...}}}
+                  "escalated": true},                                                           # sometimes
+     "planted": {"3": {"needs_clarification": true, "failed": true, "signals": ["feedback", "reformulation"],
+                       "feedback": "negative", "turn": "labelled", "kind": "rag_ambiguous"}, ...}}   # the truth
 
 A conversation keeps one retrieval style (seeded, ``tool_share``): its turns' passages come either as
 an assistant tool call followed by a ``tool`` message (a JSON list of ``{"doc_id", "text"}``) or as
 ``documents`` on the user message. Doc ids are ``kb-`` + a hash of the domain and text (the same
 document has the same id everywhere). A few user messages are a list of content parts. No message
-carries a label (``needs_clarification`` / ``label``): the audit would read it as a gold label.
+carries a label (``needs_clarification`` / ``label``) unless ``labelled_share`` asks for some.
 
-**Turns** (``metadata.planted`` has one entry per user message, keyed by its message index as a
+**Turns** (the record's ``planted`` has one entry per user message, keyed by its message index as a
 string -- the audit's turn id is ``"<id>:<index>"``; ``turn`` says which kind it is):
 
 * ``labelled`` -- a user turn synthetic_rag labels; ``needs_clarification`` is its label. The last one
@@ -109,8 +108,10 @@ Which turns fail depends on their label only (drawn as above), and the draw of a
 does not look at the label (only at the turn's place: inside the history, feedback only -- and the
 history's labelled turns come in pairs, one of each class), so no signal tells the classes apart.
 
-``planted_summary(records)`` counts from ``metadata.planted`` (the audit does not read it as a
-signal or a label; like every ``metadata`` field it is carried into each audited turn's ``meta``).
+``planted_summary(records)`` counts from each record's ``planted``, a top-level key the audit does not
+read (it is neither a signal nor a label, and outside ``metadata``, so it is not carried into the
+audited turns' ``meta`` either). ``labelled_share`` puts the planted label on a seeded sample of
+user messages (``needs_clarification``), the audit's in-domain error-rate measurement.
 ``write_chatlogs`` writes JSONL shards ``chatlogs-<k>.jsonl`` and ``planted.json`` (the arguments,
 both probabilities and the summary) next to them; the audit reads ``.jsonl`` files only.
 
@@ -520,8 +521,7 @@ def _transcript(conv: dict, conv_index: int, seed: int, failed: set[tuple[int, i
         meta["feedback"] = w.meta_feedback
     if w.escalated:
         meta["escalated"] = True
-    meta["planted"] = w.planted
-    return {"id": f"chat-{seed}-{conv_index:05d}", "messages": w.messages, "metadata": meta}
+    return {"id": f"chat-{seed}-{conv_index:05d}", "messages": w.messages, "metadata": meta, "planted": w.planted}
 
 
 def _check_shares(**shares: float) -> None:
@@ -532,14 +532,17 @@ def _check_shares(**shares: float) -> None:
 
 def generate_chatlogs(n: int, seed: int = 0, planted_share: float = 0.15, failure_rate: float = 0.3,
                       feedback_share: float = 0.6, feedback_noise: float = 0.05, tool_share: float = 0.5,
-                      system_share: float = 0.25) -> list[dict]:
+                      system_share: float = 0.25, labelled_share: float = 0.0) -> list[dict]:
     """``n`` OpenAI-style transcripts with planted failures (see the module docstring), deterministic
     for the arguments. ``tool_share``: conversations whose passages come as tool messages (the rest
-    as ``documents``); ``system_share``: conversations without one that get a system message."""
+    as ``documents``); ``system_share``: conversations without one that get a system message;
+    ``labelled_share``: user messages (a seeded sample) that carry their planted
+    ``needs_clarification`` as a gold label -- the hand-labelled sample a team makes so that the
+    audit measures the model's error rates on its own logs (0: no message carries a label)."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     _check_shares(feedback_share=feedback_share, feedback_noise=feedback_noise, tool_share=tool_share,
-                  system_share=system_share)
+                  system_share=system_share, labelled_share=labelled_share)
     if feedback_noise >= 1:
         raise ValueError("feedback_noise must be below 1 (a failed turn's feedback is sometimes negative)")
     convs = generate_conversations(n, seed)
@@ -547,12 +550,19 @@ def generate_chatlogs(n: int, seed: int = 0, planted_share: float = 0.15, failur
     labelled = [(ci, ti, bool(t["label"]["needs_clarification"])) for ci, conv in enumerate(convs)
                 for ti, t in enumerate(conv["turns"]) if t["role"] == "user" and t.get("label")]
     failed = _choose_failed(labelled, planted_share, failure_rate, rng)
-    return [_transcript(conv, ci, seed, failed, rng, feedback_share, feedback_noise, tool_share, system_share)
-            for ci, conv in enumerate(convs)]
+    records = [_transcript(conv, ci, seed, failed, rng, feedback_share, feedback_noise, tool_share, system_share)
+               for ci, conv in enumerate(convs)]
+    if labelled_share:
+        lrng = random.Random(f"{SOURCE}:labels:{seed}")  # its own stream: the logs are the same with or without
+        for r in records:
+            for idx, e in r["planted"].items():
+                if lrng.random() < labelled_share:
+                    r["messages"][int(idx)]["needs_clarification"] = bool(e["needs_clarification"])
+    return records
 
 
 def planted_summary(records: list[dict]) -> dict[str, Any]:
-    """Counts of the planted truth (``metadata.planted``): ``turns`` (user turns), ``failed``,
+    """Counts of the planted truth (each record's ``planted``): ``turns`` (user turns), ``failed``,
     ``failed_needing_clarification``, ``share`` (of the failed turns that need clarification: what the
     audit estimates; None without failed turns), ``needing_clarification`` and ``share_all`` (of all
     user turns), ``labelled_turns``, ``labelled_needing_clarification`` and ``failure_rate`` (of the
@@ -560,7 +570,7 @@ def planted_summary(records: list[dict]) -> dict[str, Any]:
     turns = failed = failed_nc = need = labelled = labelled_nc = 0
     per_signal = {s: 0 for s in SIGNAL_ORDER}
     for r in records:
-        for e in (r.get("metadata") or {}).get("planted", {}).values():
+        for e in (r.get("planted") or {}).values():
             turns += 1
             need += bool(e["needs_clarification"])
             if e.get("turn") == "labelled":

@@ -1,0 +1,140 @@
+"""Audit benchmark: does the corrected estimate find a planted rate, how fast, how much memory. JSON out.
+
+    .venv/bin/python benchmarks/audit/bench_audit.py --model .clarifier/recipe-benchmark/joint-public/models/joint
+
+1. **Planted rates** (the proof): synthetic RAG chat logs in the OpenAI format
+   (:mod:`clarifier.data.synthetic_chatlogs`) with a planted share of failed turns that needed
+   clarification (5%, 15%, 30% by default) and noisy feedback signals. ``--labelled`` of the user
+   turns carry a gold label (the hand-labelled sample a team would make), so the audit corrects with
+   in-domain error rates. For each rate: the raw flagged share among failed turns, the corrected
+   estimate and its interval, whether the interval contains the realised planted share, and the
+   verdict against the 15% rule. The same runs without the labels (``audit.error_rates=calibration``:
+   the model's own dev-split counts) show what an out-of-domain correction does.
+2. **Throughput** (turns/s, read + score + write) with 1 and 2 scorer actors on this machine, the
+   same input, in one run; the ratio.
+3. **Peak memory** of the driver and the Ray workers for the input and for 10x the input
+   (streaming: both should stay roughly flat).
+
+Everything runs on one local Ray (``--cpus``, default all); the model is any Clarifier model URI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import PeakMemory, write_result  # noqa: E402
+
+
+def _audit(logs: Path, out: Path, model: str, *extra: str) -> dict:
+    from clarifier.core.config import load_config
+    from clarifier.evaluation.audit import run_audit
+
+    cfg = load_config(None, [f"audit.logs={logs}", f"audit.output={out}", f"audit.model_uri={model}", *extra])
+    return run_audit(cfg, progress=lambda m: print(m, flush=True) if m.startswith("[audit] scor") else None)
+
+
+def _row(summary: dict, planted: dict) -> dict:
+    f = summary["failed_needing_clarification"]
+    share = planted["share"]
+    ci = f.get("corrected_ci")
+    return {
+        "planted_share": share, "failed_turns": f["n"], "turns": summary["counts"]["turns"],
+        "raw": f["raw"], "raw_ci": f["raw_ci"], "corrected": f.get("corrected"), "corrected_ci": ci,
+        "covered": bool(ci and ci[0] <= share <= ci[1]),
+        "raw_covered": bool(f["raw_ci"] and f["raw_ci"][0] <= share <= f["raw_ci"][1]),
+        "verdict": summary["verdict"]["decision"], "error_rates": summary["error_rates"],
+        "seconds": summary["seconds"],
+    }
+
+
+def planted_rates(model: str, tmp: Path, n: int, rates: list[float], labelled: float, seed: int, say) -> dict:
+    from clarifier.data.synthetic_chatlogs import generate_chatlogs, planted_summary, write_chatlogs
+
+    out = {"conversations": n, "labelled_share": labelled, "with_labels": [], "without_labels": []}
+    for rate in rates:
+        logs = tmp / f"logs-{rate}"
+        write_chatlogs(str(logs), n, seed=seed, planted_share=rate, labelled_share=labelled)
+        planted = planted_summary(generate_chatlogs(n, seed=seed, planted_share=rate, labelled_share=labelled))
+        for key, extra in (("with_labels", ["audit.error_rates=auto"]), ("without_labels", ["audit.error_rates=calibration"])):
+            s = _audit(logs, tmp / f"audit-{rate}-{key}", model, "audit.sample_questions=0", *extra)
+            row = _row(s, planted)
+            out[key].append(row)
+            say(f"planted {row['planted_share']:.3f} ({key}): raw {row['raw']:.3f}, corrected {row['corrected']} "
+                f"{row['corrected_ci']}, covered {row['covered']}, verdict {row['verdict']}")
+    return out
+
+
+def throughput(model: str, tmp: Path, n: int, seed: int, say) -> dict:
+    from clarifier.data.synthetic_chatlogs import write_chatlogs
+
+    logs = tmp / "logs-throughput"
+    write_chatlogs(str(logs), n, seed=seed)
+    out: dict = {"conversations": n}
+    for actors in (1, 2):
+        s = _audit(logs, tmp / f"audit-tp-{actors}", model, f"audit.actors={actors}", "audit.cpus_per_actor=1",
+                   "audit.sample_questions=0")
+        secs = s["seconds_read_and_score"]
+        out[f"actors_{actors}"] = {"turns": s["counts"]["turns"], "seconds": secs,
+                                   "turns_per_s": round(s["counts"]["turns"] / secs, 2)}
+        say(f"{actors} actor(s): {out[f'actors_{actors}']}")
+    out["ratio_2_vs_1"] = round(out["actors_2"]["turns_per_s"] / out["actors_1"]["turns_per_s"], 2)
+    return out
+
+
+def memory(model: str, tmp: Path, n: int, seed: int, say) -> dict:
+    from clarifier.data.synthetic_chatlogs import write_chatlogs
+
+    out: dict = {}
+    for scale in (1, 10):
+        logs = tmp / f"logs-mem-{scale}"
+        write_chatlogs(str(logs), n * scale, seed=seed, shards=4 * scale)
+        with PeakMemory() as mem:
+            s = _audit(logs, tmp / f"audit-mem-{scale}", model, "audit.sample_questions=0")
+        out[f"x{scale}"] = {"conversations": n * scale, "turns": s["counts"]["turns"], **mem.result()}
+        say(f"x{scale}: {out[f'x{scale}']}")
+    out["driver_ratio_10x"] = round(out["x10"]["driver_peak_mib"] / out["x1"]["driver_peak_mib"], 2)
+    out["workers_ratio_10x"] = round(out["x10"]["workers_peak_mib"] / out["x1"]["workers_peak_mib"], 2)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="Clarifier model URI (folder, models:/, runs:/, s3://, builtin:).")
+    p.add_argument("--conversations", type=int, default=300, help="Conversations per planted-rate run.")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.15, 0.30])
+    p.add_argument("--labelled", type=float, default=0.3, help="Share of user turns with a gold label.")
+    p.add_argument("--throughput-conversations", type=int, default=150)
+    p.add_argument("--memory-conversations", type=int, default=60, help="x1 of the memory test (x10 is 10 times it).")
+    p.add_argument("--skip", nargs="*", default=[], choices=["planted", "throughput", "memory"])
+    p.add_argument("--cpus", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="Result JSON (default benchmarks/results/audit.json).")
+    args = p.parse_args()
+
+    import ray
+
+    def say(msg: str) -> None:
+        print(f"[bench] {msg}", flush=True)
+
+    ray.init(num_cpus=args.cpus, log_to_driver=False)
+    t0 = time.time()
+    result: dict = {"model": args.model}
+    with tempfile.TemporaryDirectory(prefix="bench-audit-") as d:
+        tmp = Path(d)
+        if "planted" not in args.skip:
+            result["planted"] = planted_rates(args.model, tmp, args.conversations, args.rates, args.labelled, args.seed, say)
+        if "throughput" not in args.skip:
+            result["throughput"] = throughput(args.model, tmp, args.throughput_conversations, args.seed, say)
+        if "memory" not in args.skip:
+            result["memory"] = memory(args.model, tmp, args.memory_conversations, args.seed, say)
+    result["seconds"] = round(time.time() - t0, 1)
+    say(f"wrote {write_result('audit', result, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
