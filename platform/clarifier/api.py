@@ -25,7 +25,7 @@ _EXPORTS = {
     "prepare": "clarifier.data.pipeline", "load_split": "clarifier.data.outputs",
     "read_manifest": "clarifier.data.outputs",
     "train": "clarifier.train.trainer", "TrainResult": "clarifier.train.trainer",
-    "evaluate": "clarifier.evaluation.evaluate",
+    "evaluate": "clarifier.evaluation.evaluate", "run_audit": "clarifier.evaluation.audit",
     "register_adapter": "clarifier.registry.registry", "promote": "clarifier.registry.promotion",
     "rollback": "clarifier.registry.promotion",
     "build_app": "clarifier.serving.app", "load_recipe": "clarifier.recipes",
