@@ -14,6 +14,11 @@
    same input, in one run; the ratio.
 3. **Peak memory** of the driver and the Ray workers for the input and for 10x the input
    (streaming: both should stay roughly flat).
+4. **Public sets as logs** (``--public-data``: a data-job output, e.g. the recipe benchmark's, whose
+   test split the model never trained on): each source's test turns rewritten as OpenAI transcripts
+   (history + the turn, its passages as ``documents``), a seeded ``--labelled`` share keeping its gold
+   label; no failure signals exist there, so this measures the corrected share of *all* turns needing
+   clarification against the labelled truth, with the in-domain labels and with the calibration counts.
 
 Everything runs on one local Ray (``--cpus``, default all); the model is any Clarifier model URI.
 """
@@ -102,6 +107,47 @@ def memory(model: str, tmp: Path, n: int, seed: int, say) -> dict:
     return out
 
 
+def _as_transcript(ex, labelled: bool) -> dict:
+    msgs = [{"role": t.role, "content": t.text} for t in ex.history if t.role in ("user", "assistant")]
+    last = {"role": "user", "content": ex.query, "documents": [{"doc_id": p.id, "text": p.text} for p in ex.passages]}
+    if labelled:
+        last["needs_clarification"] = ex.needs_clarification
+    return {"id": ex.id.replace(":", "_"), "messages": [*msgs, last], "metadata": {"source": ex.meta.get("source") or
+                                                                                   ex.meta.get("dataset")}}
+
+
+def public_sets(model: str, tmp: Path, data: str, labelled: float, seed: int, say) -> dict:
+    import json
+    import random
+
+    from clarifier.core.schema import source_of
+    from clarifier.data.outputs import load_split
+
+    by: dict[str, list] = {}
+    for ex in load_split(data, "test"):
+        by.setdefault(source_of(ex), []).append(ex)
+    out: dict = {"data": data, "labelled_share": labelled, "sources": {}}
+    for src, exs in sorted(by.items()):
+        rng = random.Random(f"{seed}:{src}")
+        logs = tmp / f"public-{src}"
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / "part-0.jsonl").write_text("".join(json.dumps(_as_transcript(e, rng.random() < labelled)) + "\n" for e in exs))
+        truth = sum(e.needs_clarification for e in exs) / len(exs)
+        row: dict = {"turns": len(exs), "true_share": truth}
+        for key, extra in (("with_labels", "audit.error_rates=auto"), ("calibration", "audit.error_rates=calibration")):
+            s = _audit(logs, tmp / f"audit-public-{src}-{key}", model, "audit.sample_questions=0",
+                       "audit.signals.reformulation.enabled=false", "audit.min_labelled=10", extra)
+            t = s["flagged_share"]
+            ci = t.get("corrected_ci")
+            row[key] = {"raw": t["raw"], "corrected": t.get("corrected"), "corrected_ci": ci,
+                        "covered": bool(ci and ci[0] <= truth <= ci[1]), "error_rates": s["error_rates"]}
+        out["sources"][src] = row
+        say(f"public {src}: true {truth:.3f}, raw {row['with_labels']['raw']:.3f}, corrected (labels) "
+            f"{row['with_labels']['corrected']} {row['with_labels']['corrected_ci']}, corrected (calibration) "
+            f"{row['calibration']['corrected']} {row['calibration']['corrected_ci']}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Clarifier model URI (folder, models:/, runs:/, s3://, builtin:).")
@@ -110,7 +156,8 @@ def main() -> None:
     p.add_argument("--labelled", type=float, default=0.3, help="Share of user turns with a gold label.")
     p.add_argument("--throughput-conversations", type=int, default=150)
     p.add_argument("--memory-conversations", type=int, default=60, help="x1 of the memory test (x10 is 10 times it).")
-    p.add_argument("--skip", nargs="*", default=[], choices=["planted", "throughput", "memory"])
+    p.add_argument("--public-data", default=None, help="A data-job output whose test split becomes logs (part 4).")
+    p.add_argument("--skip", nargs="*", default=[], choices=["planted", "throughput", "memory", "public"])
     p.add_argument("--cpus", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="Result JSON (default benchmarks/results/audit.json).")
@@ -132,6 +179,8 @@ def main() -> None:
             result["throughput"] = throughput(args.model, tmp, args.throughput_conversations, args.seed, say)
         if "memory" not in args.skip:
             result["memory"] = memory(args.model, tmp, args.memory_conversations, args.seed, say)
+        if args.public_data and "public" not in args.skip:
+            result["public"] = public_sets(args.model, tmp, args.public_data, args.labelled, args.seed, say)
     result["seconds"] = round(time.time() - t0, 1)
     say(f"wrote {write_result('audit', result, args.out)}")
 

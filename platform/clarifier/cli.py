@@ -138,7 +138,7 @@ def data_synth(out: str = typer.Option(..., help="Folder or s3:// prefix for JSO
         share = "n/a" if s["share"] is None else f"{s['share']:.3f}"
         _say(f"wrote {n} {generator} conversations to {len(files)} files under {out}: {s['turns']} user turns, "
              f"{s['failed']} failed, {s['failed_needing_clarification']} of them need clarification (planted share "
-             f"{share}; requested {planted_share}); the truth is in {PLANTED_FILE} and each record's metadata.planted")
+             f"{share}; requested {planted_share}); the truth is in {PLANTED_FILE} and each record's 'planted' key")
         return
     if generator not in GENERATORS:
         console.print(f"[red]--generator {escape(generator)!r} is not one of {', '.join([*GENERATORS, CHAT])}[/red]")
