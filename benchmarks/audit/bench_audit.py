@@ -35,11 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import PeakMemory, write_result  # noqa: E402
 
 
+OVERRIDES: list[str] = []  # from the command line, applied to every audit run
+
+
 def _audit(logs: Path, out: Path, model: str, *extra: str) -> dict:
     from clarifier.core.config import load_config
     from clarifier.evaluation.audit import run_audit
 
-    cfg = load_config(None, [f"audit.logs={logs}", f"audit.output={out}", f"audit.model_uri={model}", *extra])
+    cfg = load_config(None, [f"audit.logs={logs}", f"audit.output={out}", f"audit.model_uri={model}", *OVERRIDES, *extra])
     return run_audit(cfg, progress=lambda m: print(m, flush=True) if m.startswith("[audit] scor") else None)
 
 
@@ -161,7 +164,9 @@ def main() -> None:
     p.add_argument("--cpus", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="Result JSON (default benchmarks/results/audit.json).")
+    p.add_argument("overrides", nargs="*", help="Config overrides for every audit run, e.g. audit.batch_size=16")
     args = p.parse_args()
+    OVERRIDES[:] = args.overrides
 
     import ray
 
@@ -170,7 +175,7 @@ def main() -> None:
 
     ray.init(num_cpus=args.cpus, log_to_driver=False)
     t0 = time.time()
-    result: dict = {"model": args.model}
+    result: dict = {"model": args.model, "overrides": args.overrides}
     with tempfile.TemporaryDirectory(prefix="bench-audit-") as d:
         tmp = Path(d)
         if "planted" not in args.skip:

@@ -121,3 +121,18 @@ def test_audit_on_loopback_s3_with_labelled_turns(model, ray_local, s3_bucket, t
     assert storage.exists(f"s3://{s3_bucket}/audit/report.html")
     assert json.loads(storage.read_text(f"s3://{s3_bucket}/audit/report.json"))["counts"]["turns"] == 160
     assert storage.list_files(f"s3://{s3_bucket}/audit/turns", (".parquet",))
+
+
+@pytest.mark.timeout(300)
+def test_audit_with_every_cpu_held_by_scorer_actors(tmp_path, model, ray_local):
+    """audit.actors x cpus_per_actor = all the cluster's CPUs: the stages around the pool take no CPU, so
+    the job still finishes (it used to wait forever for a CPU for the filter before the pool)."""
+    from clarifier.core.config import load_config
+    from clarifier.evaluation.audit import run_audit
+
+    logs = _write(tmp_path / "logs" / "part-0.jsonl", _logs(12), bad=False)
+    cfg = load_config(None, [f"audit.logs={logs.parent}", f"audit.output={tmp_path / 'out'}", f"audit.model_uri={model}",
+                             f"audit.actors={RAY_CPUS}", "audit.cpus_per_actor=1", "audit.signals.reformulation.enabled=false",
+                             "audit.sample_questions=0", "audit.bootstrap=100"])
+    summary = run_audit(cfg, progress=lambda m: None)
+    assert summary["counts"]["turns"] == 24 and summary["actors"] == RAY_CPUS

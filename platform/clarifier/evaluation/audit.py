@@ -338,14 +338,15 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
         uri = storage.join(a.output, QUARANTINE_DIR)
         qfs, qpath = storage.filesystem(uri)
         q.write_parquet(qpath, filesystem=qfs)
-        for r in q.select_columns(["reason"]).take(1000):
-            short = r["reason"].split(":")[0][:80]
-            quarantine_reasons[short] = quarantine_reasons.get(short, 0) + 1
+        kinds = q.select_columns(["reason"]).map_batches(_reason_kind, batch_format="pyarrow")
+        quarantine_reasons = {r["kind"]: int(r["count()"]) for r in kinds.groupby("kind").count().take_all()}
     if not counts["n_turns"]:
         raise ValueError(f"no user turns in {a.logs}: {counts['n_quarantined']} of {counts['n_lines']} records were "
                          f"quarantined (see {storage.join(a.output, QUARANTINE_DIR)})")
 
-    turns = parsed.filter(expr=col("kind") == "turn")
+    # The stages around the scorer pool take no CPU of their own: with every CPU held by scorer actors
+    # (audit.actors x audit.cpus_per_actor = the cluster's CPUs) they still run.
+    turns = parsed.filter(expr=col("kind") == "turn", num_cpus=0)
     rf = a.signals.reformulation
     reform = {"encoder": rf.encoder, "min_similarity": rf.min_similarity, "cpus": a.cpus_per_actor} if rf.enabled else None
     if rf.enabled:
@@ -365,8 +366,8 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
     turns_uri = storage.join(a.output, TURNS_DIR)
     tfs, tpath = storage.filesystem(turns_uri)
     seg_cols = [segment_column(s) for s in a.segments]
-    # The write needs no CPU of its own: with every CPU held by scorer actors it still runs.
-    scored.select_columns(TURN_COLUMNS + seg_cols).write_parquet(tpath, filesystem=tfs, ray_remote_args={"num_cpus": 0})
+    scored.select_columns(TURN_COLUMNS + seg_cols, num_cpus=0).write_parquet(tpath, filesystem=tfs,
+                                                                              ray_remote_args={"num_cpus": 0})
     t_scored = time.time() - t0
     progress(f"[audit] scored turns -> {turns_uri} ({t_scored:.0f}s)")
 
@@ -417,6 +418,11 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
     _log_to_mlflow(cfg, summary, progress)
     progress(format_summary(summary))
     return summary
+
+
+def _reason_kind(batch: pa.Table) -> pa.Table:
+    """A quarantine reason's kind: its text before the first colon ("bad JSON", "messages[3].role")."""
+    return pa.table({"kind": [r.split(":")[0][:80] for r in batch.column("reason").to_pylist()]})
 
 
 def _histogram(rows: list[dict]) -> dict:
