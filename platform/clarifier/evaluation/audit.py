@@ -6,9 +6,11 @@ Stages (Ray Data; only small counts reach the driver):
 
 1. **read** every log file under ``audit.logs`` (folder, file or ``s3://``; JSONL, JSONL.gz, Parquet):
    each record becomes its user turns with their outcome signals, or one quarantine row naming the
-   problem (:mod:`clarifier.data.audit_stages`); quarantined lines go to ``<output>/quarantine/``;
+   problem (:mod:`clarifier.data.audit_stages`); quarantined lines go to ``<output>/quarantine/``.
+   The files are read twice: once for the counts and the quarantine, once streaming into the scorer
+   pool (nothing holds all the turns; reading costs a tiny fraction of scoring);
 2. **reformulation** (``audit.signals.reformulation``): MiniLM similarity of each user turn and the
-   next, in an actor pool;
+   next, computed by the scorer actors (they hold the encoder beside the clarifier);
 3. **score**: P(clarify) of every user turn, the engine's one-forward-pass decision
    (``ClarifierEngine.score``) in a pool of ``audit.actors`` scorer actors; ``flagged`` = at the
    model's threshold; ``failed`` = any failure signal. Written to ``<output>/turns/`` (Parquet: ids,
@@ -321,9 +323,16 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
     fs, _ = storage.filesystem(a.logs)
     scheme = "s3://" if storage.is_s3(a.logs) else ""
     paths = [storage.filesystem(f)[1] for f in files]
-    parsed = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=min(len(paths), 200)).map_batches(
-        parse_audit_files, batch_size=1, batch_format="pyarrow",
-        fn_kwargs={"filesystem": fs, "scheme": scheme, "audit": a.model_dump()}).materialize()
+
+    def read(**remote):
+        return ray.data.from_items([{"path": p} for p in paths], override_num_blocks=min(len(paths), 200)).map_batches(
+            parse_audit_files, batch_size=1, batch_format="pyarrow",
+            fn_kwargs={"filesystem": fs, "scheme": scheme, "audit": a.model_dump()}, **remote)
+
+    # Pass 1, without the model: the counts and the quarantine (only those rows are kept: small).
+    # Pass 2 reads the logs again and streams the turns through the scorer pool into Parquet, so no
+    # stage holds all the turns (reading is a tiny fraction of scoring).
+    parsed = read().filter(expr=col("kind") != "turn").materialize()
     per_file = parsed.filter(expr=col("kind") == "file").select_columns(FILE_COUNTS).take_all()
     counts = {k: sum(int(r[k] or 0) for r in per_file) for k in FILE_COUNTS}
     if counts["n_lines"] != counts["n_lines_with_turns"] + counts["n_quarantined"]:
@@ -346,7 +355,7 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
 
     # The stages around the scorer pool take no CPU of their own: with every CPU held by scorer actors
     # (audit.actors x audit.cpus_per_actor = the cluster's CPUs) they still run.
-    turns = parsed.filter(expr=col("kind") == "turn", num_cpus=0)
+    turns = read(num_cpus=0, concurrency=max(1, min(4, len(paths)))).filter(expr=col("kind") == "turn", num_cpus=0)
     rf = a.signals.reformulation
     reform = {"encoder": rf.encoder, "min_similarity": rf.min_similarity, "cpus": a.cpus_per_actor} if rf.enabled else None
     if rf.enabled:
