@@ -60,16 +60,20 @@ def _row(summary: dict, planted: dict) -> dict:
     }
 
 
-def planted_rates(model: str, tmp: Path, n: int, rates: list[float], labelled: float, seed: int, say) -> dict:
+MODES = {"with_labels": "audit.error_rates=auto", "without_labels": "audit.error_rates=calibration"}
+
+
+def planted_rates(model: str, tmp: Path, n: int, rates: list[float], labelled: float, seed: int, say,
+                  modes: list[str] = list(MODES)) -> dict:
     from clarifier.data.synthetic_chatlogs import generate_chatlogs, planted_summary, write_chatlogs
 
-    out = {"conversations": n, "labelled_share": labelled, "with_labels": [], "without_labels": []}
+    out: dict = {"conversations": n, "labelled_share": labelled, **{m: [] for m in modes}}
     for rate in rates:
         logs = tmp / f"logs-{rate}"
         write_chatlogs(str(logs), n, seed=seed, planted_share=rate, labelled_share=labelled)
         planted = planted_summary(generate_chatlogs(n, seed=seed, planted_share=rate, labelled_share=labelled))
-        for key, extra in (("with_labels", ["audit.error_rates=auto"]), ("without_labels", ["audit.error_rates=calibration"])):
-            s = _audit(logs, tmp / f"audit-{rate}-{key}", model, "audit.sample_questions=0", *extra)
+        for key in modes:
+            s = _audit(logs, tmp / f"audit-{rate}-{key}", model, "audit.sample_questions=0", MODES[key])
             row = _row(s, planted)
             out[key].append(row)
             say(f"planted {row['planted_share']:.3f} ({key}): raw {row['raw']:.3f}, corrected {row['corrected']} "
@@ -159,6 +163,8 @@ def main() -> None:
     p.add_argument("--labelled", type=float, default=0.3, help="Share of user turns with a gold label.")
     p.add_argument("--throughput-conversations", type=int, default=150)
     p.add_argument("--memory-conversations", type=int, default=60, help="x1 of the memory test (x10 is 10 times it).")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                   help="Error rates of the planted-rate runs: the logs' labelled sample and/or the model's calibration counts.")
     p.add_argument("--public-data", default=None, help="A data-job output whose test split becomes logs (part 4).")
     p.add_argument("--skip", nargs="*", default=[], choices=["planted", "throughput", "memory", "public"])
     p.add_argument("--cpus", type=int, default=None)
@@ -179,7 +185,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-audit-") as d:
         tmp = Path(d)
         if "planted" not in args.skip:
-            result["planted"] = planted_rates(args.model, tmp, args.conversations, args.rates, args.labelled, args.seed, say)
+            result["planted"] = planted_rates(args.model, tmp, args.conversations, args.rates, args.labelled, args.seed, say,
+                                              args.modes)
         if "throughput" not in args.skip:
             result["throughput"] = throughput(args.model, tmp, args.throughput_conversations, args.seed, say)
         if "memory" not in args.skip:
