@@ -103,3 +103,29 @@ def test_jobs_entrypoint_under_ray_job_submit_on_s3(ray_head, tiny_model_dir, s3
     assert manifest["counts"]["rows_read"] == 16 and all(manifest["invariants"].values())
     assert all(i.startswith(f"{base}/logs/") for i in manifest["inputs"])
     assert "[data] wrote" in logs
+
+
+@pytest.mark.timeout(600)
+def test_submitted_audit_runs_on_the_cluster(ray_head, tiny_model_dir, tmp_path, monkeypatch):
+    """`clarifier audit --submit`: the config travels with relative paths made absolute (logs, output,
+    model folder); the job scores the turns on the cluster and writes the report."""
+    from clarifier.core.config import build_config
+    from clarifier.runtime.submit import submit_stage
+    from support.adapters import untrained_adapter
+
+    untrained_adapter(tiny_model_dir, tmp_path / "model", threshold=0.5, r=2)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "a.jsonl").write_text("".join(json.dumps(
+        {"id": f"c{i}", "messages": [{"role": "user", "content": "how do I reset it?"},
+                                     {"role": "assistant", "content": "I couldn't find that."}]}) + "\n" for i in range(6)))
+    monkeypatch.chdir(tmp_path)
+    cfg = build_config({}, ["audit.logs=logs", "audit.output=audit", "audit.model_uri=model",
+                            "audit.signals.reformulation.enabled=false", "audit.sample_questions=0", "audit.bootstrap=100"])
+    logs: list[str] = []
+    sub = submit_stage(ray_head, ["audit"], cfg, progress=lambda m: None, write=logs.append)
+    out = "".join(logs)
+    assert sub.status == "SUCCEEDED", out[-4000:]
+    assert "== Audit: is a clarifier worth it for these logs?" in out
+    report = json.loads((tmp_path / "audit" / "report.json").read_text())
+    assert report["counts"]["turns"] == 6 and report["counts"]["failed_turns"] == 6
+    assert report["model_uri"] == str(tmp_path / "model")

@@ -396,6 +396,9 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
     rates = _error_rates(cfg, meta, gold, notes)
     ests = _estimates(groups, rates, cfg)
     head = ests[("all", "")]
+    if head["turns"]["n"] != counts["n_turns"]:  # every read turn was scored and counted, or the job says so
+        raise AuditError(f"count mismatch: {counts['n_turns']} user turns read but {head['turns']['n']} scored "
+                         f"(see {turns_uri})")
     answer = verdict(head["failed"], a.rule_share)
     signals_seen = {s: ests.get(("signal", s), {}).get("turns", {}).get("n", 0) for s in SIGNALS}
     signals_seen["feedback_values"] = ests.get(("feedback", "seen"), {}).get("turns", {}).get("n", 0)
