@@ -19,7 +19,7 @@ import pyarrow as pa
 from clarifier.core.config import AuditConfig
 from clarifier.data.chatlog import AuditTurn, audit_turns, stable_id
 from clarifier.data.signals import text_signals
-from clarifier.data.validate import quarantine_record, read_file, split_lines
+from clarifier.data.validate import decode_line, quarantine_record, read_file, split_lines
 
 NONE_VALUE = "(none)"
 
@@ -126,19 +126,6 @@ def _file_row(source: str, rows: list[dict], n_lines: int, n_blank: int) -> dict
             "n_lines_with_turns": len({r["line"] for r in rows if r["kind"] == "turn"})}
 
 
-def _decode(raw: bytes, source: str, line_no: int):
-    """``(object, None)`` or ``(None, quarantine row)``."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return None, quarantine_record(source, line_no, f"invalid UTF-8 at byte {exc.start}: {exc.reason}", raw)
-    try:
-        return json.loads(text.lstrip("\ufeff")), None
-    except (json.JSONDecodeError, RecursionError) as exc:
-        msg = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-        return None, quarantine_record(source, line_no, f"bad JSON: {msg}", raw)
-
-
 def _parquet_rows(filesystem, path: str, source: str, cfg: AuditConfig) -> list[dict]:
     import pyarrow.parquet as pq
 
@@ -187,7 +174,7 @@ def parse_audit_files(batch: pa.Table, *, filesystem, scheme: str, audit: dict) 
                 n_blank += 1
                 continue
             n_lines += 1
-            obj, q = _decode(raw, source, line_no)
+            obj, q = decode_line(raw, source, line_no)
             mine += [{"kind": "quarantine", **q}] if q else _turn_rows(obj, source, line_no, raw, cfg)
         rows += [*mine, _file_row(source, mine, n_lines, n_blank)]
     return pa.Table.from_pylist(rows, schema=audit_schema(cfg.segments))

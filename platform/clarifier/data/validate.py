@@ -135,29 +135,35 @@ def parse_line(
     return examples, q
 
 
+def decode_line(line: str | bytes, source: str, line_no: int) -> tuple[Any, dict | None]:
+    """One JSONL line as a JSON value: ``(value, None)``, or ``(None, quarantine record)`` for invalid
+    UTF-8, an empty line or bad JSON (a UTF-8 BOM is ignored). Never raises."""
+    if isinstance(line, (bytes, bytearray)):
+        try:
+            text = bytes(line).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return None, quarantine_record(source, line_no, f"invalid UTF-8 at byte {exc.start}: {exc.reason}", line)
+    else:
+        text = line
+    text = text.lstrip("\ufeff")  # a UTF-8 BOM on the first line
+    if not text.strip():
+        return None, quarantine_record(source, line_no, "empty line", line)
+    try:
+        return json.loads(text), None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        msg = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        return None, quarantine_record(source, line_no, f"bad JSON: {msg}", line)
+
+
 def parse_line_full(
     line: str | bytes, source: str, line_no: int, max_turn_chars: int = DEFAULT_MAX_TURN_CHARS,
     labelling: LabellingConfig | None = None,
 ) -> tuple[list[Example], dict | None, list[FilteredTurn]]:
     """:func:`parse_line` plus labelling of unlabelled logs (see :func:`check_record_full`). Never raises."""
     try:
-        if isinstance(line, (bytes, bytearray)):
-            try:
-                text = bytes(line).decode("utf-8")
-            except UnicodeDecodeError as exc:
-                return [], quarantine_record(
-                    source, line_no, f"invalid UTF-8 at byte {exc.start}: {exc.reason}", line
-                ), []
-        else:
-            text = line
-        text = text.lstrip("\ufeff")  # a UTF-8 BOM on the first line
-        if not text.strip():
-            return [], quarantine_record(source, line_no, "empty line", line), []
-        try:
-            obj = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            msg = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-            return [], quarantine_record(source, line_no, f"bad JSON: {msg}", line), []
+        obj, q = decode_line(line, source, line_no)
+        if q is not None:
+            return [], q, []
         return check_object(obj, source, line_no, line, max_turn_chars, labelling)
     except Exception as exc:  # defensive: a validator bug must not abort a data job
         return [], quarantine_record(source, line_no, f"unexpected validation error: {type(exc).__name__}: {exc}", line), []

@@ -42,11 +42,11 @@ import pyarrow as pa
 
 from clarifier.core.config import ClarifierConfig
 from clarifier.core.prevalence import ErrorRates, share_estimate, verdict
+from clarifier.data.pipeline import SUFFIXES  # the data job's input formats, read the same way
 from clarifier.data.audit_stages import FILE_COUNTS, QUARANTINE_COLUMNS, parse_audit_files, segment_column
 from clarifier.data.signals import SIGNALS
 from clarifier.runtime import storage
 
-SUFFIXES = {"jsonl": ".jsonl", "jsonl.gz": ".jsonl.gz", "parquet": ".parquet"}
 TURNS_DIR, QUARANTINE_DIR, REPORT = "turns", "quarantine", "report.json"
 HIST_BINS = 20
 POSITIONS = 5  # user positions 1..4 and "5+"
