@@ -85,8 +85,8 @@ def throughput(model: str, tmp: Path, n: int, seed: int, say) -> dict:
     from clarifier.data.synthetic_chatlogs import write_chatlogs
 
     logs = tmp / "logs-throughput"
-    write_chatlogs(str(logs), n, seed=seed)
-    out: dict = {"conversations": n}
+    write_chatlogs(str(logs), n, seed=seed, shards=1)  # one file: the scorers must still share its turns
+    out: dict = {"conversations": n, "files": 1}
     for actors in (1, 2):
         s = _audit(logs, tmp / f"audit-tp-{actors}", model, f"audit.actors={actors}", "audit.cpus_per_actor=1",
                    "audit.sample_questions=0")
@@ -184,15 +184,21 @@ def main() -> None:
     result: dict = {"model": args.model, "overrides": args.overrides}
     with tempfile.TemporaryDirectory(prefix="bench-audit-") as d:
         tmp = Path(d)
-        if "planted" not in args.skip:
-            result["planted"] = planted_rates(args.model, tmp, args.conversations, args.rates, args.labelled, args.seed, say,
-                                              args.modes)
-        if "throughput" not in args.skip:
-            result["throughput"] = throughput(args.model, tmp, args.throughput_conversations, args.seed, say)
-        if "memory" not in args.skip:
-            result["memory"] = memory(args.model, tmp, args.memory_conversations, args.seed, say)
-        if args.public_data and "public" not in args.skip:
-            result["public"] = public_sets(args.model, tmp, args.public_data, args.labelled, args.seed, say)
+        parts = {
+            "planted": lambda: planted_rates(args.model, tmp, args.conversations, args.rates, args.labelled, args.seed,
+                                             say, args.modes),
+            "throughput": lambda: throughput(args.model, tmp, args.throughput_conversations, args.seed, say),
+            "memory": lambda: memory(args.model, tmp, args.memory_conversations, args.seed, say),
+            "public": lambda: public_sets(args.model, tmp, args.public_data, args.labelled, args.seed, say),
+        }
+        for name, run in parts.items():
+            if name in args.skip or (name == "public" and not args.public_data):
+                continue
+            result[name] = run()
+            result["seconds"] = round(time.time() - t0, 1)
+            result["complete"] = False
+            write_result("audit", result, args.out)  # after each part: a stopped run keeps what it measured
+    result["complete"] = True
     result["seconds"] = round(time.time() - t0, 1)
     say(f"wrote {write_result('audit', result, args.out)}")
 

@@ -7,7 +7,10 @@ Inside ``ray job submit`` (``RAY_ADDRESS`` set) the stages join that cluster.
 from __future__ import annotations
 
 import json
+import re
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -17,43 +20,88 @@ from rich.markup import escape
 
 from clarifier.core.config import DATASET_REF, ConfigError, dump_config, load_config
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 data_app = typer.Typer(no_args_is_help=True, help="Data jobs: synthetic logs, public-dataset fetch and import, preprocessing.")
 models_app = typer.Typer(no_args_is_help=True, help="MLflow model registry: register, promote (gated), rollback, list, diff.")
 app.add_typer(data_app, name="data")
 recipe_app = typer.Typer(no_args_is_help=True, help="Named recipes (clarifier/recipes/configs/) and their comparison benchmarks (clarifier/recipes/plans/).")
 app.add_typer(models_app, name="models")
 app.add_typer(recipe_app, name="recipe")
-console = Console(highlight=False, soft_wrap=True)
+console = Console(highlight=False, soft_wrap=True)  # Clarifier's own lines and results (stdout)
+err_console = Console(highlight=False, soft_wrap=True, stderr=True)  # errors and the log file's path
 
 
-def exit_cleanly_on_sigterm() -> None:
-    """Turn SIGTERM (``kill``, Kubernetes, ``ray job stop``) into SystemExit, so that ``finally`` blocks run
-    and the services a command started (MLflow server, S3 server, local Ray) are stopped, not orphaned."""
-    import signal
-    import threading
-
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+from clarifier.runtime.cluster import exit_cleanly_on_sigterm  # noqa: E402  (re-exported: the CLI's SIGTERM policy)
 
 
 @app.callback()
-def _root() -> None:
+def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the logs of Ray, Serve, DeepSpeed, "
+                                       "transformers and MLflow, and tracebacks, on the terminal (default: only "
+                                       "Clarifier's own lines; the rest goes to .clarifier/logs/<command>-<time>.log).")) -> None:
     exit_cleanly_on_sigterm()
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (see jobs/configs/).")
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. train.max_steps=20 model.lora.r=8")
 
 
-def _say(msg: str) -> None:
-    console.print(msg, markup=False)
+class _Lines:
+    """Clarifier's own lines. Repeated progress lines (``[train] step k/N ...``, one per optimizer step)
+    become one live line on a terminal; elsewhere (CI, a job's log) one is printed per ``every_s``,
+    plus the last one, so a long run stays readable."""
+
+    STEP = re.compile(r"^\[(train|encoder)\] step (\d+)(?:/(\d+))?[: ]")
+
+    def __init__(self, every_s: float = 60.0):
+        self.every_s = every_s
+        self.status = None
+        self.last_printed = 0.0
+        self.pending: str | None = None
+        self.lock = threading.Lock()
+
+    def __call__(self, msg: str) -> None:
+        with self.lock:
+            m = self.STEP.match(msg)
+            if m:
+                return self._step(msg, m)
+            self._end_steps()
+            console.print(msg, markup=False)
+
+    def _step(self, msg: str, m) -> None:
+        final = m.group(3) is not None and m.group(2) == m.group(3)
+        if console.is_terminal:
+            if self.status is None:
+                self.status = console.status(msg)
+                self.status.start()
+            self.status.update(msg)
+            self.pending = msg
+            if final:
+                self._end_steps()
+            return
+        now = time.monotonic()
+        if final or now - self.last_printed >= self.every_s:
+            console.print(msg, markup=False)
+            self.last_printed, self.pending = now, None
+        else:
+            self.pending = msg
+
+    def _end_steps(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+        if self.pending is not None:  # the last step line stays visible
+            console.print(self.pending, markup=False)
+            self.pending = None
+            self.last_printed = 0.0
+
+
+_say = _Lines()
 
 
 def _cfg(config: Optional[Path], overrides: Optional[list[str]]):
     try:
         return load_config(config, overrides or [])
     except ConfigError as exc:
-        console.print(f"[red]config error:[/red] {exc}")
+        err_console.print(f"[red]config error:[/red] {exc}")
         raise typer.Exit(2)
 
 
@@ -73,9 +121,9 @@ def _submit(address: str, stage: list[str], cfg, extra_args: list[str] | None = 
     try:
         sub = submit_stage(address, stage, cfg, extra_args, ship_code=not installed_code, progress=_say)
     except (ValueError, AuthenticationError, ConnectionError) as exc:
-        console.print(f"[red]submit error:[/red] {escape(str(exc))}")
+        err_console.print(f"[red]submit error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
-    print(json.dumps({"job_id": sub.job_id, "status": sub.status, "address": sub.address}), flush=True)
+    console.print(json.dumps({"job_id": sub.job_id, "status": sub.status, "address": sub.address}), markup=False)
     raise typer.Exit(sub.exit_code)
 
 
@@ -92,19 +140,30 @@ def quickstart(
     try:
         summary = run_quickstart(workdir, config, overrides or [], port=port, progress=_say)
     except ConfigError as exc:
-        console.print(f"[red]config error:[/red] {exc}")
+        err_console.print(f"[red]config error:[/red] {exc}")
         raise typer.Exit(2)
-    f1 = summary["decision_f1"]
-    beaten = [b for b in ("base_model", "always_ask", "lexical") if b in f1 and f1["model"] <= f1[b]]
-    if beaten:
-        console.print(f"[yellow]note: on decision F1 the trained model did not beat: {', '.join(beaten)} "
-                      "(see the report for over-asking, AUROC and question quality)[/yellow]")
+    for line, won in verdict_lines(summary):
+        console.print(line if won else f"[yellow]{line}[/yellow]", markup=not won, highlight=False)
+
+
+def verdict_lines(summary: dict) -> list[tuple[str, bool]]:
+    """Whether the trained model beat each baseline on its own held-out split, and by how much."""
+    f1, oa = summary["decision_f1"], summary["over_asking_rate"]
+    out = []
+    for b in ("lexical", "always_ask", "base_model"):
+        if b not in f1 or "model" not in f1:
+            continue
+        d = f1["model"] - f1[b]
+        head = (f"the trained model beats {b} by {d:+.3f} F1" if d > 0 else
+                f"note: on decision F1 the trained model did NOT beat {b} ({d:+.3f})")
+        out.append((f"{head}: {f1['model']:.3f} vs {f1[b]:.3f}, over-asking {oa['model']:.3f} vs {oa[b]:.3f}", d > 0))
+    return out
 
 
 @app.command("config")
 def show_config(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """Print the fully resolved config (after overrides) as YAML."""
-    print(dump_config(_cfg(config, overrides)))
+    console.print(dump_config(_cfg(config, overrides)), markup=False, end="")
 
 
 @data_app.command("synth")
@@ -130,7 +189,7 @@ def data_synth(out: str = typer.Option(..., help="Folder or s3:// prefix for JSO
             files = write_chatlogs(out, n, seed=seed, shards=shards, planted_share=planted_share,
                                    failure_rate=failure_rate)
         except ValueError as exc:
-            console.print(f"[red]{escape(str(exc))}[/red]")
+            err_console.print(f"[red]{escape(str(exc))}[/red]")
             raise typer.Exit(2)
         from clarifier.runtime.storage import join, read_text
 
@@ -141,7 +200,7 @@ def data_synth(out: str = typer.Option(..., help="Folder or s3:// prefix for JSO
              f"{share}; requested {planted_share}); the truth is in {PLANTED_FILE} and each record's 'planted' key")
         return
     if generator not in GENERATORS:
-        console.print(f"[red]--generator {escape(generator)!r} is not one of {', '.join([*GENERATORS, CHAT])}[/red]")
+        err_console.print(f"[red]--generator {escape(generator)!r} is not one of {', '.join([*GENERATORS, CHAT])}[/red]")
         raise typer.Exit(2)
     files = importlib.import_module(GENERATORS[generator]).write_logs(out, n, seed=seed, shards=shards)
     _say(f"wrote {n} {generator} conversations to {len(files)} files under {out}")
@@ -161,7 +220,7 @@ def data_import(dataset: str = typer.Argument(..., help="Importer name: clariq, 
     opts: dict[str, str] = {}
     for o in option or []:
         if "=" not in o:
-            console.print(f"[red]--option {o!r} must look like key=value[/red]")
+            err_console.print(f"[red]--option {o!r} must look like key=value[/red]")
             raise typer.Exit(2)
         k, v = o.split("=", 1)
         opts[k.strip()] = v
@@ -175,7 +234,7 @@ def data_import(dataset: str = typer.Argument(..., help="Importer name: clariq, 
     except (KeyError, ValueError, FileNotFoundError, ImportError, TypeError) as exc:
         from rich.markup import escape
 
-        console.print(f"[red]import error:[/red] {escape(str(exc.args[0] if isinstance(exc, KeyError) else exc))}")
+        err_console.print(f"[red]import error:[/red] {escape(str(exc.args[0] if isinstance(exc, KeyError) else exc))}")
         raise typer.Exit(2)
     _say(json.dumps({k: v for k, v in report.items() if k != "skipped_records"}, indent=2))
 
@@ -198,7 +257,7 @@ def data_fetch(dataset: str = typer.Argument(..., help="A registered public data
         for name in names:
             get_dataset(name)
     except DatasetError as exc:
-        console.print(f"[red]fetch error:[/red] {escape(str(exc))}")
+        err_console.print(f"[red]fetch error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
     reports = [fetch_dataset(name, cache=cache, mirror=mirror, progress=_say) for name in names]
     failed = [r for r in reports if not r.ok]
@@ -226,7 +285,7 @@ def data_prepare(config: Optional[Path] = ConfigOpt,
         from clarifier.data.synthetic import write_logs
 
         if not cfg.data.input:
-            console.print("[red]--synthetic needs data.input (where to write the logs)[/red]")
+            err_console.print("[red]--synthetic needs data.input (where to write the logs)[/red]")
             raise typer.Exit(2)
         files = write_logs(cfg.data.input, cfg.data.synthetic_conversations, seed=cfg.data.seed)
         _say(f"[data] wrote {cfg.data.synthetic_conversations} synthetic conversations to {len(files)} files")
@@ -251,14 +310,14 @@ def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
 
     if recipe:
         if config:
-            console.print("[red]--recipe and --config both name a config; pass one[/red]")
+            err_console.print("[red]--recipe and --config both name a config; pass one[/red]")
             raise typer.Exit(2)
         from clarifier.recipes import recipe_path
 
         try:
             config = recipe_path(recipe)
         except ConfigError as exc:
-            console.print(f"[red]config error:[/red] {escape(str(exc))}")
+            err_console.print(f"[red]config error:[/red] {escape(str(exc))}")
             raise typer.Exit(2)
         prepare = True
         _say(f"[recipe] {recipe}: {config}")
@@ -292,7 +351,7 @@ def eval_cmd(model: str = typer.Option(..., help="models:/name@alias, runs:/<id>
     for item in compare or []:
         name, sep, uri = item.partition("=")
         if not sep or not name.strip() or not uri.strip():
-            console.print(f"[red]--compare {item!r}: expected NAME=URI[/red]")
+            err_console.print(f"[red]--compare {item!r}: expected NAME=URI[/red]")
             raise typer.Exit(2)
         cfg.eval.compare = {**cfg.eval.compare, name.strip(): uri.strip()}
     if submit:
@@ -331,10 +390,10 @@ def audit(logs: Optional[str] = typer.Option(None, help="Folder, file or s3:// p
     try:
         summary = run_audit(cfg, progress=_say)
     except (ValueError, FileNotFoundError) as exc:
-        console.print(f"[red]audit error:[/red] {escape(str(exc))}")
+        err_console.print(f"[red]audit error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
     except AuditError as exc:
-        console.print(f"[red]audit failed:[/red] {escape(str(exc))}")
+        err_console.print(f"[red]audit failed:[/red] {escape(str(exc))}")
         raise typer.Exit(1)
     _say(json.dumps({"verdict": summary["verdict"]["decision"], "report": summary["paths"].get("html")}))
 
@@ -367,7 +426,7 @@ def models_promote(name: str = typer.Argument(..., help="Registered model name."
     try:
         d = promote(cfg, name, to_alias=to, from_alias=from_alias, version=version, data=data, progress=_say)
     except PromotionError as exc:
-        console.print(f"[red]promotion error:[/red] {escape(str(exc))}")
+        err_console.print(f"[red]promotion error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
     _print_gate(d)
     if d.decision != "promoted":
@@ -391,7 +450,7 @@ def _print_gate(d) -> None:
 
 def _print_table(table) -> None:
     """Rich tables at the terminal's width; piped/captured output is not squeezed into 80 columns."""
-    out = console if console.is_terminal else Console(highlight=False, width=200)
+    out = console if console.is_terminal else Console(highlight=False, width=200, file=console.file)
     out.print(table)
 
 
@@ -411,7 +470,7 @@ def models_rollback(name: str = typer.Argument(..., help="Registered model name.
     try:
         rec = rollback(cfg, name, alias=alias, reason=reason, progress=_say)
     except PromotionError as exc:
-        console.print(f"[red]rollback error:[/red] {escape(str(exc))}")
+        err_console.print(f"[red]rollback error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
     _say(f"{name}@{alias} -> version {rec['to_version']} (was {rec['from_version']})")
 
@@ -429,7 +488,7 @@ def models_list(name: str = typer.Argument("clarifier"),
     try:
         versions = list_versions(name, tracking_uri(cfg.tracking.tracking_uri))
     except RegistryError as exc:
-        console.print(f"[red]{escape(str(exc))}[/red]")
+        err_console.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(2)
     t = Table(title=f"{name}")
     for col in ("version", "aliases", "F1", "over-ask", "validity", "eval set", "gate", "run"):
@@ -437,7 +496,8 @@ def models_list(name: str = typer.Argument("clarifier"),
     for v in versions:
         gates = ", ".join(f"{k}:{d}" for k, d in v["gates"].items())
         t.add_row(v["version"], ", ".join(v["aliases"]) or "-", _fmt_num(v["f1"], 3), _fmt_num(v["over_asking_rate"], 3),
-                  _fmt_num(v["validity"], 3), (v["eval_data"] or "-")[-40:], gates or "-", (v["run_id"] or "-")[:8])
+                  _fmt_num(v["validity"], 3), (v["eval_data"] or "-")[-40:], gates or "-",
+                  v.get("run_url") or v["run_id"] or "-")
     _print_table(t)
 
 
@@ -455,7 +515,7 @@ def models_diff(name: str = typer.Argument(..., help="Registered model name."),
     try:
         diff = compare_versions(name, v1, v2, tracking_uri(cfg.tracking.tracking_uri))
     except RegistryError as exc:
-        console.print(f"[red]{escape(str(exc))}[/red]")
+        err_console.print(f"[red]{escape(str(exc))}[/red]")
         raise typer.Exit(2)
     t = Table(title=f"{name} v{v1} vs v{v2} {diff['where']}")
     for col in ("metric", f"v{v1}", f"v{v2}", "delta"):
@@ -487,7 +547,7 @@ def models_package(model: str = typer.Argument(..., help="Model folder or URI (r
         measured = json.loads(result.read_text()) if result else None
         dst = package_model(folder, name, out_root=out, result=measured, row=row)
     except (PackageError, ModelResolutionError, FileNotFoundError, json.JSONDecodeError) as exc:
-        console.print(f"[red]package error:[/red] {escape(str(exc))}")
+        err_console.print(f"[red]package error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
     size = sum(p.stat().st_size for p in dst.iterdir()) / 2**20
     _say(f"packaged builtin:{name} -> {dst} ({size:.1f} MB); card: {dst / 'MODEL_CARD.md'}")
@@ -515,7 +575,7 @@ def recipe_benchmark(plan: str = typer.Argument(..., help="Plan name (clarifier/
     try:
         run_benchmark(plan, out=out, workdir=workdir, overrides=overrides or [], progress=_say)
     except ConfigError as exc:
-        console.print(f"[red]config error:[/red] {escape(str(exc))}")
+        err_console.print(f"[red]config error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
 
 
@@ -527,13 +587,98 @@ def serve(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = O
 
     cfg = _cfg(config, overrides)
     init_ray()
-    url = run_local(cfg.serve, tracking_uri=cfg.tracking.tracking_uri, blocking=True)
+    url = run_local(cfg.serve, tracking_uri=cfg.tracking.tracking_uri, blocking=True, say=_say)
     _say(f"served at {url}")
 
 
-def main() -> None:  # pragma: no cover
-    app()
+# What to do about the errors a new user meets most; the message of the exception says the rest.
+HINTS = {
+    "ModelResolutionError": "check the model URI (a folder, models:/name@alias, runs:/<id>/adapter, s3://, builtin:<name>)",
+    "ConnectionError": "is the server at that address running and reachable (MLflow tracking URI, S3 endpoint, Ray dashboard)?",
+    "MlflowException": "check tracking.tracking_uri / $MLFLOW_TRACKING_URI and that the MLflow server is up",
+    "FileNotFoundError": "check the path (relative paths are from the current folder)",
+    "PermissionError": "check the permissions of that path",
+    "NoSuchBucket": "create the bucket or fix the s3:// URI (and storage.s3_endpoint_url)",
+    "OSError": "check the path, the port or the endpoint named above",
+}
+
+
+def _hint(exc: BaseException) -> str:
+    for cls in type(exc).__mro__:
+        if cls.__name__ in HINTS:
+            return HINTS[cls.__name__]
+    text = str(exc)
+    if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
+        return HINTS["NoSuchBucket"]
+    if "address already in use" in text.lower():
+        return "another process holds that port: stop it, or pick another (--port / serve.port)"
+    return "rerun with -v for the full logs and traceback"
+
+
+def _stage(argv: list[str]) -> str:
+    from clarifier.runtime.runlog import command_words
+
+    return " ".join(command_words(argv)) or "clarifier"
+
+
+def report_error(exc: BaseException, argv: list[str], log_path: Optional[Path]) -> None:
+    """One clear message for an exception that ended a command: the stage, the cause, what to do, the log."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    cause = lines[-1] if lines else ""
+    if len(cause) > 600:
+        cause = cause[:600] + "..."
+    err_console.print(f"[red]error[/red] in [bold]clarifier {escape(_stage(argv))}[/bold]: "
+                      f"{escape(type(exc).__name__)}: {escape(cause)}")
+    err_console.print(f"  what to do: {escape(_hint(exc))}" + (f"\n  full log: {log_path}" if log_path else ""))
+
+
+def main(argv: Optional[list[str]] = None) -> int:  # the `clarifier` executable
+    """Run the CLI: Clarifier's own lines on the terminal, other programs' logs in a per-run file."""
+    import traceback
+
+    from typer.exceptions import TyperException
+
+    from clarifier.runtime import runlog
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run = runlog.redirect(runlog.log_path(argv)) if runlog.should_redirect(argv) else runlog.passthrough()
+    if run.redirected:
+        console.file = run.terminal_out
+        err_console.file = run.terminal_err
+        err_console.print(f"[dim]log: {run.path} (-v shows it here)[/dim]")
+    code = 0
+    try:
+        result = app(args=argv, prog_name="clarifier", standalone_mode=False)
+        code = result if isinstance(result, int) else 0
+    except typer.Exit as exc:
+        code = exc.exit_code
+    except typer.Abort:
+        err_console.print("[yellow]aborted[/yellow]")
+        code = 130
+    except TyperException as exc:  # usage errors: click's own message, with the usage line
+        show = getattr(exc, "show", None)
+        show(file=run.terminal_err) if show else err_console.print(escape(str(exc)))
+        code = getattr(exc, "exit_code", 2)
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted: the services this command started were stopped[/yellow]")
+        code = 130
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except Exception as exc:
+        if run.redirected:
+            traceback.print_exc()  # into the log file
+            report_error(exc, argv, run.path)
+        else:
+            traceback.print_exc()
+            report_error(exc, argv, None)
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if run.redirected and run.path.stat().st_size == 0:
+            run.path.unlink()  # nothing was logged (clarifier config, --help): no file to keep
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())
+    sys.exit(main())

@@ -80,7 +80,7 @@ def test_audit_command_on_a_folder(tmp_path, model, encoder, ray_local, mlflow_s
     c = report["counts"]
     assert (c["records"], c["quarantined"], c["turns"]) == (32, 2, 60)
     assert report["error_rates"]["source"].startswith("the model's calibration split")
-    assert report["verdict"]["decision"] in ("worth_it", "not_worth_it", "inconclusive")
+    assert report["verdict"]["decision"] in ("worth_it", "not_worth_it", "inconclusive", "undetermined")  # a tiny random model
     # failures: thumbs-down on i % 4 == 0 or a no-answer reply on i % 3 == 0 (15 of 30); reformulation only adds
     assert c["failed_turns"] >= 15 and report["signals_present"]["feedback"] == 8 and report["signals_present"]["no_answer"] == 10
     turns = pq.read_table(out / "turns").to_pylist()

@@ -78,6 +78,10 @@ def test_registration_tags_lineage_and_eval_metrics(mlflow_server, tmp_path):
     assert float(tags["eval.semantic_similarity"]) == 0.7
     assert tags["eval.data_fingerprint"] == FP
     assert logged_eval_sets(tags)[FP]["metrics"]["validity"] == 1.0
+    # the version's description is its model card, linking to the training run in the MLflow UI
+    card = MlflowClient().get_model_version(mv.name, mv.version).description
+    assert "| base model | smollm2-135m-instruct |" in card and "| f1 | 0.7500 |" in card
+    assert f"(fingerprint `{FP[:16]}`)" in card and f"/runs/{run_id})" in card
 
 
 def test_gate_refuses_worse_promotes_better_and_rollback_restores(mlflow_server, tmp_path):

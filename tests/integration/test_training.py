@@ -192,9 +192,12 @@ def test_full_finetune_under_zero3_writes_whole_model_that_loads_and_registers(p
     cfg = build_config({}, [*prepared, "train.experiment=full-ft", "model.finetune=full", "train.zero_stage=3",
                             "train.max_steps=3", "train.checkpoint_every=0", "train.learning_rate=0.01",
                             "eval.calibration_split=dev"])
-    res = train(cfg, progress=print)
+    lines: list[str] = []
+    res = train(cfg, progress=lambda m: (lines.append(m), print(m)))
     folder = Path(res.model_dir)
     assert res.steps == 3
+    # the workers' step lines reach the driver's progress callback (runtime/relay.py), not only their stdout
+    assert any(m.startswith("[train] step 3/3 loss ") and " tok/s eta " in m for m in lines), lines
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     assert not (folder / "adapter_config.json").exists() and read_meta(folder).finetune == "full"
 

@@ -95,3 +95,14 @@ def test_audit_without_a_model_says_what_to_pass(tmp_path, monkeypatch):
     assert "no model to audit with: pass --model" in res.output and "Traceback" not in res.output
     res = CliRunner().invoke(app, ["audit", "--out", str(tmp_path / "out"), "--model", "x"])
     assert res.exit_code == 2 and "audit.logs is empty" in res.output
+
+
+def test_quickstart_says_by_how_much_the_model_beats_each_baseline():
+    from clarifier.cli import verdict_lines
+
+    lines = verdict_lines({"decision_f1": {"model": 0.913, "lexical": 0.8, "always_ask": 0.667, "base_model": 0.0},
+                           "over_asking_rate": {"model": 0.163, "lexical": 0.326, "always_ask": 1.0, "base_model": 0.0}})
+    assert lines[0] == ("the trained model beats lexical by +0.113 F1: 0.913 vs 0.800, over-asking 0.163 vs 0.326", True)
+    lost = verdict_lines({"decision_f1": {"model": 0.7, "lexical": 0.8}, "over_asking_rate": {"model": 0.1, "lexical": 0.3}})
+    assert lost == [("note: on decision F1 the trained model did NOT beat lexical (-0.100): 0.700 vs 0.800, "
+                     "over-asking 0.100 vs 0.300", False)]

@@ -94,3 +94,34 @@ def test_verdict_flips_at_the_rule():
     corrected = verdict({**base, "raw": 0.3, "raw_ci": [0.25, 0.35], "corrected": 0.1, "corrected_ci": [0.05, 0.14]}, 0.15)
     assert corrected["decision"] == "not_worth_it" and corrected["corrected"]  # the corrected figure decides
     assert verdict({"raw": None, "raw_ci": None}, 0.15)["decision"] == "no_data"
+
+
+def test_a_model_no_better_than_chance_gives_no_verdict():
+    """Zero recall on the labelled turns: a 0% flagged share is the model's blindness, not a finding."""
+    blind = ErrorRates(tp=0, fn=20, tn=60, fp=2, source="82 labelled turns in these logs (in-domain)")
+    est = share_estimate([0, 0, 0], [30, 40, 50], blind, bootstrap=200)
+    assert est["corrected"] is None  # not identifiable
+    v = verdict(est, 0.15, rates=blind)
+    assert v["decision"] == "undetermined" and "recall 0.00" in v["sentence"] and "hardly tell the classes apart" in v["sentence"]
+    assert verdict(est, 0.15)["decision"] == "not_worth_it"  # without measured rates only the raw share is known
+
+
+def test_youden_threshold_and_confusion_counts():
+    from clarifier.core.prevalence import confusion_at, youden_threshold
+
+    scores, gold = [0.9, 0.8, 0.7, 0.3, 0.2], [True, True, False, True, False]
+    thr, j = youden_threshold(scores, gold)
+    assert thr == pytest.approx(0.75) and j == pytest.approx(2 / 3)  # between the scores it separates
+    r = confusion_at(scores, gold, thr)
+    assert (r.tp, r.fn, r.tn, r.fp) == (2, 1, 2, 0) and r.youden_j == pytest.approx(2 / 3)
+    thr0, j0 = youden_threshold([0.9, 0.8, 0.1], [False, False, True])  # inversely related: flag nothing
+    assert j0 == 0.0 and confusion_at([0.9, 0.8, 0.1], [False, False, True], thr0).fp == 0
+    with pytest.raises(ValueError, match="both classes"):
+        youden_threshold([0.5, 0.6], [True, True])
+
+
+def test_no_error_rates_at_all_gives_no_verdict_unless_raw_is_asked_for():
+    est = share_estimate([0, 1, 0], [30, 40, 50], None, bootstrap=200)
+    assert verdict(est, 0.15, require_correction=True)["decision"] == "undetermined"
+    assert "--eval-report" in verdict(est, 0.15, require_correction=True)["sentence"]
+    assert verdict(est, 0.15)["decision"] == "not_worth_it"  # audit.error_rates=none: the raw share decides

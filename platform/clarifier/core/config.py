@@ -438,6 +438,15 @@ class AuditConfig(_Strict):
         "auto = labels when there are min_labelled of each class, else report when given, else calibration.")
     eval_report: str | None = Field(None, description="report.json of `clarifier eval` for this model.")
     min_labelled: int = Field(30, ge=1)
+    min_youden_j: float = Field(0.1, ge=0, lt=1, description="Below this recall - false-positive rate the model's "
+                                "flags are too weak to correct from: the verdict is 'undetermined'.")
+    threshold: Literal["auto", "model", "youden"] | float = Field(
+        "auto", description="Score threshold the shares are estimated at. model = the model's own (its serving "
+        "operating point; the calibration counts and eval reports are measured there); youden = the threshold "
+        "maximising recall - false-positive rate on half of the logs' labelled turns (split by conversation), "
+        "with the error rates measured on the other half: a conservative serving threshold flags too few turns "
+        "to correct from. auto = youden when the error rates come from labels and each half has min_labelled "
+        "of each class, else model. A number: that threshold (error rates from the labels only).")
     actors: int = Field(1, ge=1, description="Scorer actors (each loads the model once).")
     cpus_per_actor: float = Field(1, gt=0)
     gpus_per_actor: float = Field(0, ge=0)

@@ -52,6 +52,12 @@ class ErrorRates:
         return self.tn / (self.tn + self.fp) if self.tn + self.fp else None
 
     @property
+    def youden_j(self) -> float | None:
+        """recall - false-positive rate: how much the flags tell the classes apart (0 = chance)."""
+        s, p = self.sensitivity, self.specificity
+        return None if s is None or p is None else s + p - 1
+
+    @property
     def usable(self) -> bool:
         """Both classes were measured and the point estimates are better than chance."""
         s, p = self.sensitivity, self.specificity
@@ -60,6 +66,35 @@ class ErrorRates:
     def as_dict(self) -> dict:
         return {**asdict(self), "recall": self.sensitivity, "false_positive_rate":
                 None if self.specificity is None else 1 - self.specificity}
+
+
+def confusion_at(scores, gold, threshold: float, source: str = "") -> ErrorRates:
+    """The confusion counts of ``score >= threshold`` against boolean ``gold`` labels."""
+    s, g = np.asarray(scores, dtype=float), np.asarray(gold, dtype=bool)
+    flag = s >= threshold
+    return ErrorRates(tp=int(np.sum(flag & g)), fn=int(np.sum(~flag & g)), tn=int(np.sum(~flag & ~g)),
+                      fp=int(np.sum(flag & ~g)), source=source)
+
+
+def youden_threshold(scores, gold) -> tuple[float, float]:
+    """``(threshold, J)``: the threshold maximising ``recall - false-positive rate`` (Youden's J) of
+    ``score >= threshold``; the midpoint between neighbouring scores, so it does not sit on a turn.
+    Needs both classes."""
+    s, g = np.asarray(scores, dtype=float), np.asarray(gold, dtype=bool)
+    pos, neg = int(g.sum()), int((~g).sum())
+    if not pos or not neg:
+        raise ValueError(f"Youden's J needs both classes ({pos} positive, {neg} negative labels)")
+    order = np.argsort(-s, kind="stable")
+    s, g = s[order], g[order]
+    tp, fp = np.cumsum(g), np.cumsum(~g)  # flagging the top i+1 scores
+    last = np.r_[s[1:] != s[:-1], True]  # cut only between distinct scores
+    j = tp / pos - fp / neg
+    j = np.where(last, j, -np.inf)
+    i = int(np.argmax(j))
+    if j[i] <= 0:
+        return float(np.nextafter(s[0], np.inf)), 0.0  # nothing separates: flag nothing
+    thr = (s[i] + s[i + 1]) / 2 if i + 1 < s.size else float(np.nextafter(s[i], -np.inf))
+    return float(thr), float(j[i])
 
 
 def rogan_gladen(observed, sensitivity, specificity):
@@ -127,14 +162,36 @@ def best_estimate(est: dict) -> tuple[float | None, list[float] | None, bool]:
     return est.get("raw"), est.get("raw_ci"), False
 
 
-def verdict(est: dict, rule: float, *, what: str = "of failed turns needed clarification") -> dict:
+def verdict(est: dict, rule: float, *, what: str = "of failed turns needed clarification",
+            rates: ErrorRates | None = None, min_j: float = 0.1, require_correction: bool = False) -> dict:
     """The rule's answer for one estimate: ``worth_it`` (interval above ``rule``), ``not_worth_it``
-    (below), ``inconclusive`` (it contains ``rule``) or ``no_data``, and the sentence saying so."""
+    (below), ``inconclusive`` (it contains ``rule``), ``undetermined`` (the model's measured error
+    rates tell the classes apart by less than ``min_j`` = recall - false-positive rate: its flags say
+    next to nothing about the share, and the corrected interval, clipped at 0 and 1, would understate
+    that; with ``require_correction``, also when there are no error rates at all) or ``no_data``, and
+    the sentence saying so."""
     value, ci, corrected = best_estimate(est)
     pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
     if value is None or ci is None:
         return {"decision": "no_data", "rule": rule, "corrected": corrected,
                 "sentence": f"No turns to estimate the share {what}: the verdict needs turns with a failure signal."}
+    if rates is None and require_correction and not corrected:
+        return {"decision": "undetermined", "rule": rule, "corrected": False, "value": value, "interval": ci,
+                "sentence": f"Undetermined: there are no error rates for this model (no labelled turns in the logs, "
+                            f"no evaluation report, no calibration counts stored with it), so its raw flagged share "
+                            f"({pct(value)}) cannot be corrected. Pass --eval-report (a `clarifier eval` report.json "
+                            "of this model) or label some turns; audit.error_rates=none accepts the raw share."}
+    if rates is not None and (rates.youden_j is None or rates.youden_j < min_j):
+        s, p = rates.sensitivity, rates.specificity
+        measured = (f"recall {s:.2f}, false-positive rate {1 - p:.2f}" if s is not None and p is not None
+                    else "one class has no labelled turns")
+        return {"decision": "undetermined", "rule": rule, "corrected": corrected, "value": value, "interval": ci,
+                "sentence": f"Undetermined: the model's measured error rates ({rates.source or 'labelled turns'}: "
+                            f"{measured}) hardly tell the classes apart (recall - false-positive rate < {min_j:g}), "
+                            f"so its flags ({pct(est.get('raw') or 0.0)} of these turns) say next to nothing about how "
+                            f"many turns {what.removeprefix('of ')}. Audit with a model that separates the classes on "
+                            "these logs (audit.threshold=youden with labelled turns picks the threshold that "
+                            "separates them best), or label more turns."}
     level = f"{round(100 * est.get('confidence', 0.95))}%"
     basis = "corrected for the model's error rates" if corrected else "raw flagged share, NOT corrected for the model's error rates"
     head = f"An estimated {pct(value)} ({level} interval {pct(ci[0])}-{pct(ci[1])}; {basis}) {what}"

@@ -31,6 +31,7 @@ counts its calibration stored with the model (its dev split).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import tempfile
@@ -106,14 +107,23 @@ def _position(p: int) -> str:
     return str(p) if p < POSITIONS else f"{POSITIONS}+"
 
 
-def partial_counts(batch: pa.Table, *, segments: list[str]) -> pa.Table:
+def labelled_rows(batch: pa.Table) -> pa.Table:
+    """The labelled turns of a batch: ``score``, ``gold``, ``bucket`` (a few per cent of the logs)."""
+    t = batch.select(["score", "gold", "bucket"])
+    return t.filter(pa.compute.is_valid(t.column("gold")))
+
+
+def partial_counts(batch: pa.Table, *, segments: list[str], threshold: float | None = None) -> pa.Table:
     """Counts of one batch of scored turns: rows ``(dim, value, bucket, failed, n, flagged)``.
 
     Dimensions: ``all``; ``position`` (user turn 1..4, 5+); ``answered``; ``passages`` (with/without);
     ``segment:<field>``; ``signal`` (the turns each failure signal fired on); ``feedback`` (``seen`` /
     ``unknown``); ``gold`` (labelled turns: true/false); ``hist`` (score bins of width 1/20, bucket 0).
+    ``flagged`` is the model's decision, or ``score >= threshold`` when one is given (audit.threshold).
     """
     d = batch.to_pydict()
+    if threshold is not None:
+        d["flagged"] = [float(x) >= threshold for x in d["score"]]
     acc: dict[tuple, list[int]] = {}
 
     def add(dim, value, bucket, failed, flagged):
@@ -171,6 +181,53 @@ def default_model_uri(cfg: ClarifierConfig) -> str:
         return str(quick.resolve())
     raise ValueError("no model to audit with: pass --model (a model folder, models:/name@alias with a tracking URI, "
                      "runs:/..., s3://...), or run `clarifier quickstart` first (its model is the default)")
+
+
+def _estimation_threshold(cfg: ClarifierConfig, meta, written, notes: list[str], progress) -> tuple[dict, ErrorRates | None]:
+    """The threshold the shares are estimated at (``audit.threshold``) and, when it was chosen on the
+    labelled turns, the error rates measured on the other half of them: ``({"value": None | float,
+    "mode", ...}, rates or None)``; value None = the model's own decisions."""
+    import numpy as np
+
+    from clarifier.core.prevalence import confusion_at, youden_threshold
+
+    a = cfg.audit
+    model = {"value": None, "mode": "model", "threshold": meta.threshold}
+    if a.threshold == "model":
+        return model, None
+    if a.error_rates not in ("auto", "labels"):
+        if a.threshold != "auto":
+            raise ValueError(f"audit.threshold={a.threshold} needs error rates from labelled turns "
+                             f"(audit.error_rates=auto or labels), not {a.error_rates!r}: those were measured at the "
+                             "model's threshold")
+        return model, None
+    rows = written.map_batches(labelled_rows, batch_format="pyarrow", num_cpus=0).take_all()
+    score = np.array([r["score"] for r in rows], dtype=float)
+    gold = np.array([bool(r["gold"]) for r in rows])
+    half_a = np.array([int(r["bucket"]) % 2 == 0 for r in rows], dtype=bool)
+    if not isinstance(a.threshold, str):  # a number: error rates from all the labelled turns at it
+        thr = float(a.threshold)
+        rates = confusion_at(score, gold, thr, f"{len(rows)} labelled turns in these logs at threshold {thr:.3f}")
+        if min(rates.tp + rates.fn, rates.tn + rates.fp) < a.min_labelled:
+            raise ValueError(f"audit.threshold={thr} needs audit.min_labelled={a.min_labelled} labelled turns of each "
+                             f"class; the logs have {rates.tp + rates.fn} needing clarification and {rates.tn + rates.fp} clear")
+        return {"value": thr, "mode": "fixed", "threshold": thr}, rates
+    enough = all(int(np.sum(h & (gold == c))) >= a.min_labelled for h in (half_a, ~half_a) for c in (True, False))
+    if not enough:
+        if a.threshold == "youden":
+            notes.append(f"audit.threshold=youden needs {a.min_labelled} labelled turns of each class in each half "
+                         f"of the conversations; the logs have {int(gold.sum())} needing clarification and "
+                         f"{int((~gold).sum())} clear in all: estimated at the model's threshold")
+        return model, None
+    thr, j = youden_threshold(score[half_a], gold[half_a])
+    rates = confusion_at(score[~half_a], gold[~half_a], thr,
+                         f"{int((~half_a).sum())} labelled turns in these logs (in-domain; the threshold was chosen "
+                         f"on the other {int(half_a.sum())})")
+    progress(f"[audit] estimation threshold {thr:.3f} (Youden's J {j:.2f} on {int(half_a.sum())} labelled turns; the "
+             f"model serves at {meta.threshold:.3f}); error rates from the other {int((~half_a).sum())}: recall "
+             f"{rates.sensitivity:.2f}, false-positive rate {1 - rates.specificity:.2f}")
+    return {"value": thr, "mode": "youden", "threshold": thr, "youden_j": j, "chosen_on": int(half_a.sum()),
+            "rates_from": int((~half_a).sum())}, rates
 
 
 def _error_rates(cfg: ClarifierConfig, meta, gold: dict[str, tuple[int, int]], notes: list[str]) -> ErrorRates | None:
@@ -281,7 +338,8 @@ def run_audit(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> 
     if not a.formats:
         raise ValueError("audit.formats is empty: list at least one of jsonl, jsonl.gz, parquet")
     try:
-        return _run(cfg, progress)
+        with _small_blocks():
+            return _run(cfg, progress)
     except (ValueError, FileNotFoundError, AuditError):
         raise
     except Exception as exc:
@@ -290,6 +348,28 @@ def run_audit(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> 
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
         raise AuditError(f"audit failed ({type(exc).__name__}: {(lines[-1] if lines else '')[:500]}); logs "
                          f"{a.logs!r}, output {a.output!r}: rerun once the cause is fixed") from exc
+
+
+# Ray Data keeps a task's output as one block up to 128 MiB; one log file would then be one block,
+# scored by one actor while the others idle. Blocks of this size (a few scorer calls of turns with
+# their history and passages) spread a file over the pool, and each actor takes at most
+# SCORE_IN_FLIGHT of them at a time, so the first actor up does not queue every block for itself.
+SCORE_BLOCK_BYTES = 128 * 1024
+SCORE_IN_FLIGHT = 2
+ROWS_PER_FILE = 20_000  # the small blocks are written as fewer, larger Parquet files
+
+
+@contextlib.contextmanager
+def _small_blocks():
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    old = ctx.target_max_block_size
+    ctx.target_max_block_size = SCORE_BLOCK_BYTES
+    try:
+        yield
+    finally:
+        ctx.target_max_block_size = old
 
 
 def _run(cfg: ClarifierConfig, progress) -> dict:
@@ -346,7 +426,7 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
         q = parsed.filter(expr=col("kind") == "quarantine").select_columns(QUARANTINE_COLUMNS)
         uri = storage.join(a.output, QUARANTINE_DIR)
         qfs, qpath = storage.filesystem(uri)
-        q.write_parquet(qpath, filesystem=qfs)
+        q.write_parquet(qpath, filesystem=qfs, min_rows_per_file=ROWS_PER_FILE)
         kinds = q.select_columns(["reason"]).map_batches(_reason_kind, batch_format="pyarrow")
         quarantine_reasons = {r["kind"]: int(r["count()"]) for r in kinds.groupby("kind").count().take_all()}
     if not counts["n_turns"]:
@@ -369,22 +449,26 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
         TurnScorer, batch_size=a.batch_size * 4, batch_format="pyarrow",
         fn_constructor_kwargs={"spec": spec, "batch_size": a.batch_size, "cpus": a.cpus_per_actor,
                                "reformulation": reform},
-        compute=ray.data.ActorPoolStrategy(size=a.actors), num_cpus=a.cpus_per_actor,
+        compute=ray.data.ActorPoolStrategy(size=a.actors, max_tasks_in_flight_per_actor=SCORE_IN_FLIGHT),
+        num_cpus=a.cpus_per_actor,
         num_gpus=a.gpus_per_actor or None,
     )
     turns_uri = storage.join(a.output, TURNS_DIR)
     tfs, tpath = storage.filesystem(turns_uri)
     seg_cols = [segment_column(s) for s in a.segments]
-    scored.select_columns(TURN_COLUMNS + seg_cols, num_cpus=0).write_parquet(tpath, filesystem=tfs,
+    scored.select_columns(TURN_COLUMNS + seg_cols, num_cpus=0).write_parquet(tpath, filesystem=tfs, min_rows_per_file=ROWS_PER_FILE,
                                                                               ray_remote_args={"num_cpus": 0})
     t_scored = time.time() - t0
     progress(f"[audit] scored turns -> {turns_uri} ({t_scored:.0f}s)")
 
     written = ray.data.read_parquet(tpath, filesystem=tfs)
+    notes: list[str] = []
+    est_threshold, chosen_rates = _estimation_threshold(cfg, meta, written, notes, progress)
     agg_cols = ["bucket", "failed", "flagged", "user_position", "answered", "n_passages", *SIGNALS, "feedback_unknown",
                 "gold", "score", *seg_cols]
     rows = (written.select_columns(agg_cols)
-            .map_batches(partial_counts, batch_format="pyarrow", fn_kwargs={"segments": list(a.segments)})
+            .map_batches(partial_counts, batch_format="pyarrow",
+                         fn_kwargs={"segments": list(a.segments), "threshold": est_threshold["value"]})
             .groupby(["dim", "value", "bucket", "failed"]).sum(["n", "flagged"]).take_all())
     rows = [{"dim": r["dim"], "value": r["value"], "bucket": int(r["bucket"]), "failed": bool(r["failed"]),
              "n": int(r["sum(n)"]), "flagged": int(r["sum(flagged)"])} for r in rows]
@@ -392,14 +476,14 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
     groups = _group([r for r in rows if r["dim"] != "hist"], a.max_segment_values)
     gold = {v: (sum(c["all"][0] for c in b.values()), sum(c["all"][1] for c in b.values()))
             for (d, v), b in groups.items() if d == "gold"}
-    notes: list[str] = []
-    rates = _error_rates(cfg, meta, gold, notes)
+    rates = chosen_rates or _error_rates(cfg, meta, gold, notes)
     ests = _estimates(groups, rates, cfg)
     head = ests[("all", "")]
     if head["turns"]["n"] != counts["n_turns"]:  # every read turn was scored and counted, or the job says so
         raise AuditError(f"count mismatch: {counts['n_turns']} user turns read but {head['turns']['n']} scored "
                          f"(see {turns_uri})")
-    answer = verdict(head["failed"], a.rule_share)
+    answer = verdict(head["failed"], a.rule_share, rates=rates, min_j=a.min_youden_j,
+                     require_correction=a.error_rates != "none")
     signals_seen = {s: ests.get(("signal", s), {}).get("turns", {}).get("n", 0) for s in SIGNALS}
     signals_seen["feedback_values"] = ests.get(("feedback", "seen"), {}).get("turns", {}).get("n", 0)
     signals_seen["feedback_not_understood"] = ests.get(("feedback", "unknown"), {}).get("turns", {}).get("n", 0)
@@ -412,7 +496,7 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
         "started": started.isoformat(timespec="seconds"), "seconds": round(time.time() - t0, 1),
         "seconds_read_and_score": round(t_scored, 1), "logs": a.logs, "output": a.output,
         "model_uri": model_uri, "model_version": resolved.version, "base_model": meta.base_model,
-        "threshold": meta.threshold, "precision": precision, "actors": a.actors,
+        "threshold": meta.threshold, "estimation_threshold": est_threshold, "precision": precision, "actors": a.actors,
         "counts": {"files": len(files), "records": counts["n_lines"], "blank_lines": counts["n_blank"],
                    "quarantined": counts["n_quarantined"], "quarantine_reasons": quarantine_reasons,
                    "turns": counts["n_turns"], "failed_turns": head["failed"]["n"]},

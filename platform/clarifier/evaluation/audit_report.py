@@ -37,7 +37,8 @@ def format_summary(s: dict) -> str:
         "",
         "== Audit: is a clarifier worth it for these logs?",
         f"  {c['turns']} user turns in {c['records']} conversations ({c['quarantined']} quarantined), "
-        f"{c['failed_turns']} with a failure signal; model {s['model_uri']} at threshold {s['threshold']:.3f}",
+        f"{c['failed_turns']} with a failure signal; model {s['model_uri']} at threshold {s['threshold']:.3f}"
+        + _estimated_at(s),
         f"  flagged as needing clarification: {pct(t.get('raw'))} of all turns (raw, {interval(t.get('raw_ci'))})"
         + (f", corrected {pct(t.get('corrected'))} ({interval(t.get('corrected_ci'))})" if t.get("corrected") is not None else ""),
         f"  of failed turns: {pct(f.get('raw'))} raw ({interval(f.get('raw_ci'))})"
@@ -64,6 +65,15 @@ def _rows_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                      str(f["n"]), f"{pct(f.get('raw'))} ({interval(f.get('raw_ci'))})" if f["n"] else "-",
                      f"{pct(f.get('corrected'))} ({interval(f.get('corrected_ci'))})" if f.get("corrected") is not None else "-"])
     return head, body
+
+
+def _estimated_at(s: dict) -> str:
+    e = s.get("estimation_threshold") or {}
+    if e.get("value") is None:
+        return ""
+    how = (f"chosen on {e['chosen_on']} labelled turns (Youden's J {e['youden_j']:.2f})" if e.get("mode") == "youden"
+           else "audit.threshold")
+    return f"; shares estimated at {e['value']:.3f} ({how})"
 
 
 def _md_table(head, body) -> str:
@@ -100,7 +110,10 @@ def _plots(s: dict, out: Path) -> dict[str, Path]:
     xs = [b["lo"] for b in bins]
     ax.bar(xs, [b["ok"] / tot_o for b in bins], width=width, align="edge", alpha=0.5, label=f"no failure signal ({tot_o})")
     ax.bar(xs, [b["failed"] / tot_f for b in bins], width=width, align="edge", alpha=0.5, label=f"failed ({tot_f})")
-    ax.axvline(s["threshold"], color="black", linestyle="--", label=f"threshold {s['threshold']:.2f}")
+    ax.axvline(s["threshold"], color="black", linestyle="--", label=f"model threshold {s['threshold']:.2f}")
+    est = (s.get("estimation_threshold") or {}).get("value")
+    if est is not None:
+        ax.axvline(est, color="tab:red", linestyle=":", label=f"estimated at {est:.2f}")
     ax.set_xlabel("P(clarify)")
     ax.set_ylabel("share of turns")
     ax.set_title("Score of failed vs other turns")
@@ -148,7 +161,7 @@ def _markdown(s: dict, plots: dict[str, Path]) -> str:
              f"- {c['turns']} user turns in {c['records']} conversations from {c['files']} file(s); "
              f"{c['quarantined']} records quarantined (`quarantine/`), {c['failed_turns']} turns with a failure signal",
              f"- model `{s['model_uri']}` (version {s['model_version'] or '-'}, base {s['base_model']}), threshold "
-             f"{s['threshold']:.3f}, {s['precision']}",
+             f"{s['threshold']:.3f}{_estimated_at(s)}, {s['precision']}",
              "- error rates for the correction: " + (
                  f"recall {rates['recall']:.3f}, false-positive rate {rates['false_positive_rate']:.3f} "
                  f"(tp {rates['tp']}, fn {rates['fn']}, tn {rates['tn']}, fp {rates['fp']}) from {rates['source']}"
@@ -182,7 +195,8 @@ def _markdown(s: dict, plots: dict[str, Path]) -> str:
     lines += ["## How to read this", "",
               "A turn is *failed* when its answer carries a failure signal (negative feedback, a no-answer reply, an "
               "escalation, or the user restating the request next). *Flagged* = the model's P(clarify) is at or above "
-              "its threshold. The corrected shares invert the model's recall and false-positive rate (Rogan-Gladen); "
+              "the estimation threshold (the model's own unless `audit.threshold` chose one on half of the labelled "
+              "turns: Youden's J, error rates from the other half). The corrected shares invert the model's recall and false-positive rate (Rogan-Gladen); "
               "intervals resample conversations and the error rates' own uncertainty. The rule: a dedicated "
               f"clarification model is worth it when more than {pct(s['rule_share'])} of failures needed clarification.",
               ""]

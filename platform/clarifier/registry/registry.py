@@ -129,6 +129,53 @@ def lineage_tags(run_id: str, tracking_uri: str | None = None, client=None) -> d
     return tags
 
 
+CARD_METRICS = ("f1", "precision", "recall", "over_asking_rate", "auroc", "ece", "validity", "rougeL_f",
+                 "semantic_similarity", "grounding_em", "n")
+
+
+def model_card(tags: dict[str, str], meta: dict | None = None, params: dict | None = None,
+               run_url: str | None = None) -> str:
+    """The Markdown description of a model version: what it is, what it was trained on, how it did.
+
+    ``tags`` are the version's lineage and eval tags (:func:`lineage_tags`), ``meta`` the model's
+    ``clarifier.json`` (threshold, precision, calibration), ``params`` the training run's params."""
+    meta, params = meta or {}, params or {}
+    rows = [("base model", tags.get("clarifier.base_model") or meta.get("base_model")),
+            ("fine-tuning", meta.get("finetune") or params.get("model.finetune")),
+            ("recipe", ", ".join(f"{k} {params[k]}" for k in ("train.variant", "train.max_steps", "train.balance",
+                                                            "model.lora.r") if params.get(k)) or None),
+            ("training run", f"[{tags.get('clarifier.run_id')}]({run_url})" if run_url else tags.get("clarifier.run_id")),
+            ("data", tags.get("clarifier.data")),
+            ("data manifest", (f"{tags.get('clarifier.data_manifest')} (sha256 "
+                               f"{tags['clarifier.data_manifest_sha256'][:12]}...)")
+             if tags.get("clarifier.data_manifest_sha256") else None),
+            ("threshold", None if meta.get("threshold") is None else
+             f"{float(meta['threshold']):.3f}" + (f" ({meta['calibration'].get('rule')}, {meta['calibration'].get('split')} "
+                                                  f"split, n={meta['calibration'].get('n')})"
+                                                  if isinstance(meta.get("calibration"), dict) else "")),
+            ("precision", meta.get("precision"))]
+    lines = ["**Clarifier query-clarification model**", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows if v not in (None, "")]
+    metrics = [(k, tags.get(f"eval.{k}")) for k in CARD_METRICS if tags.get(f"eval.{k}") not in (None, "")]
+    if metrics:
+        fp = tags.get("eval.data_fingerprint") or ""
+        lines += ["", f"Evaluation on `{tags.get('eval.data') or '?'}`" + (f" (fingerprint `{fp[:16]}`)" if fp else "")
+                  + ":", "", "| metric | value |", "|---|---|"]
+        for k, v in metrics:
+            num = _num(v)
+            lines.append(f"| {k} | {int(num) if k == 'n' and num is not None else (f'{num:.4f}' if num is not None else v)} |")
+    else:
+        lines += ["", "No evaluation report on the training run (`clarifier eval --run-id <run>` logs one)."]
+    return "\n".join(lines)
+
+
+def run_url(tracking_uri: str | None, experiment_id: str, run_id: str) -> str | None:
+    """The MLflow UI page of a run when the tracking URI is a server (http[s]://)."""
+    if tracking_uri and tracking_uri.startswith(("http://", "https://")):
+        return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return None
+
+
 def register_adapter(run_id: str, name: str, *, artifact_path: str = "adapter", alias: str | None = None,
                      tags: dict | None = None, tracking_uri: str | None = None):
     """Create a model version from a run's adapter artifacts; optionally point ``alias`` at it.
@@ -146,7 +193,9 @@ def register_adapter(run_id: str, name: str, *, artifact_path: str = "adapter", 
     run = client.get_run(run_id)
     source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
     all_tags = {**lineage_tags(run_id, client=client), **{k: str(v) for k, v in (tags or {}).items()}}
-    mv = client.create_model_version(name=name, source=source, run_id=run_id, tags=all_tags)
+    meta, _ = _run_json_artifact(client, run_id, f"{artifact_path}/clarifier.json")
+    card = model_card(all_tags, meta, run.data.params, run_url(client.tracking_uri, run.info.experiment_id, run_id))
+    mv = client.create_model_version(name=name, source=source, run_id=run_id, tags=all_tags, description=card)
     if alias:
         client.set_registered_model_alias(name, alias, mv.version)
     return mv
@@ -230,8 +279,18 @@ def list_versions(name: str, tracking_uri: str | None = None) -> list[dict]:
             "validity": _num(tags.get("eval.validity")), "eval_data": tags.get("eval.data"),
             "gates": {k.split(".")[1]: v for k, v in tags.items() if k.startswith("gate.") and k.endswith(".decision")},
             "run_id": mv.run_id,
+            "run_url": _version_run_url(client, tracking_uri, mv.run_id),
         })
     return out
+
+
+def _version_run_url(client, tracking_uri: str | None, run_id: str | None) -> str | None:
+    if not run_id:
+        return None
+    try:
+        return run_url(tracking_uri or client.tracking_uri, client.get_run(run_id).info.experiment_id, run_id)
+    except Exception:  # the run was deleted: the version still lists
+        return None
 
 
 def compare_versions(name: str, v1: str, v2: str, tracking_uri: str | None = None) -> dict:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 from clarifier.runtime.services import mlflow_env
@@ -48,6 +51,25 @@ def _job_env_vars() -> set[str]:
         return set()
 
 
+_SIGTERM_HANDLER = None
+
+
+def exit_cleanly_on_sigterm() -> None:
+    """Turn SIGTERM (``kill``, Kubernetes, ``ray job stop``) into SystemExit, so that ``finally`` blocks run
+    and the services a command started (MLflow server, S3 server, local Ray) are stopped, not orphaned.
+    :func:`init_ray` puts it back after ``ray.init``, whose C++ core installs a SIGTERM handler of its own
+    (it prints a stack trace and kills the process, leaving the local Ray instance running)."""
+    global _SIGTERM_HANDLER
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        _SIGTERM_HANDLER = lambda signum, _frame: sys.exit(128 + signum)  # noqa: E731
+        signal.signal(signal.SIGTERM, _SIGTERM_HANDLER)
+
+
+def _restore_sigterm() -> None:
+    if _SIGTERM_HANDLER is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _SIGTERM_HANDLER)
+
+
 def init_ray(num_cpus: int | None = None, quiet: bool = True):
     """Join the cluster in ``RAY_ADDRESS`` (e.g. inside ``ray job submit``) or start a local one."""
     import ray
@@ -69,6 +91,7 @@ def init_ray(num_cpus: int | None = None, quiet: bool = True):
         # The dashboard also serves Ray's State API, which Ray Train V2's placement-group cleaner
         # polls every second (without it: a warning a second for the whole training run).
         ray.init(address="local", num_cpus=num_cpus or local_cpus(), include_dashboard=True, **kw)
+    _restore_sigterm()
     if quiet:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False

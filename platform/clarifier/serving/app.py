@@ -46,7 +46,7 @@ app is built and only their SHA-256 digests are passed to the ingress (see ``aut
 import logging
 import os
 import time
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from pydantic import ValidationError
 from ray import serve
@@ -228,7 +228,7 @@ def wait_ready(url: str, timeout_s: float = 300.0, interval_s: float = 0.5) -> d
 
 
 def run_local(cfg: ServeConfig, tracking_uri: Optional[str] = None, blocking: bool = False,
-              ready_timeout_s: float = 300.0) -> str:
+              ready_timeout_s: float = 300.0, say: Callable[[str], None] = print) -> str:
     """Start Serve on ``cfg.host:cfg.port`` (Ray is started if needed), deploy the app as
     ``clarifier`` and wait for ``/readyz``; returns the base URL. ``blocking`` then serves until
     Ctrl-C (and shuts Serve down)."""
@@ -242,8 +242,8 @@ def run_local(cfg: ServeConfig, tracking_uri: Optional[str] = None, blocking: bo
     log.info("Clarifier serving %s at %s (docs: %s/docs)", info.get("model_version"), url, url)
     if blocking:
         auth = "on" if load_api_keys(cfg.api_keys_file) else f"OFF (no ${API_KEYS_ENV} / serve.api_keys_file)"
-        print(f"Clarifier serving model {info.get('model_version')} at {url} (docs {url}/docs, API keys {auth}); "
-              "Ctrl-C to stop", flush=True)
+        say(f"Clarifier serving model {info.get('model_version')} at {url} (docs {url}/docs, API keys {auth}); "
+            "Ctrl-C to stop")
         try:
             while True:
                 time.sleep(3600)

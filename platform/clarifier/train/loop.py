@@ -39,12 +39,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 from functools import lru_cache
 
 from clarifier.core.config import ClarifierConfig
+from clarifier.runtime import relay
 from clarifier.data.packing import collate_packed
 from clarifier.engine.precision import describe, resolve_precision, set_threads, torch_dtype
 from clarifier.core.objective import PIPELINE_PARTS, SEGMENT_IDS, DecisionLoss, collate, joint_loss
@@ -57,10 +57,14 @@ DS_DIR = "deepspeed"
 RANK_DIR = "rank_state"
 
 
+_RELAY = None  # the driver's ProgressRelay handle (train_loop_per_worker sets it)
+
+
 def _say(msg: str) -> None:
-    """Progress line from a worker. Ray Train patches ``print`` to tee into its logger (each line
-    would reach the driver twice); the process's real stdout is streamed to the driver once."""
-    print(msg, file=sys.__stdout__, flush=True)
+    """Progress line from a worker, to the driver's progress callback (runtime/relay.py). Without a relay
+    it goes to the process's real stdout (Ray Train patches ``print`` to tee into its logger: each
+    line would reach the driver twice)."""
+    relay.say(_RELAY, msg)
 
 
 # ---- pure helpers (unit-tested) ------------------------------------------------------------
@@ -651,6 +655,8 @@ class WorkerRecipe:
 
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train's entry on every worker: the :class:`WorkerRecipe`, in order."""
+    global _RELAY
+    _RELAY = config.get("relay")
     recipe = WorkerRecipe(config, callbacks=config.get("callbacks") or ())
     recipe.setup()
     recipe.restore()

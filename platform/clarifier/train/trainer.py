@@ -259,6 +259,15 @@ def train_dataset(cfg: ClarifierConfig):
 
 def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str | None, decision, ray_name: str,
          storage_path: str, dataset, n_train: int, progress, callbacks=()):
+    from clarifier.runtime.relay import ProgressRelay
+
+    with ProgressRelay(progress) as relay:  # the workers' step lines, to this process's progress
+        return _fit_with(cfg, part, run_id, tracking_uri, decision, ray_name, storage_path, dataset, n_train,
+                         progress, callbacks, relay.handle)
+
+
+def _fit_with(cfg, part, run_id, tracking_uri, decision, ray_name, storage_path, dataset, n_train, progress,
+              callbacks, relay_handle):
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -269,7 +278,8 @@ def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str 
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow_run_id": run_id, "tracking_uri": tracking_uri,
-                           "part": part, "decision_loss": asdict(decision), "callbacks": list(callbacks)},
+                           "part": part, "decision_loss": asdict(decision), "callbacks": list(callbacks),
+                           "relay": relay_handle},
         scaling_config=scaling,
         # Not split: every worker takes its rows of one seeded global order (exact resume; loop.py).
         datasets={"train": dataset}, dataset_config=DataConfig(datasets_to_split=[]),
