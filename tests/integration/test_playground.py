@@ -6,7 +6,8 @@ started like tests/integration/test_serving.py's. Debian's chromium is driven th
 chromium-driver with selenium (pinned in pyproject's test extra; infra/local/setup.sh installs
 chromium with apt-get): the test clicks "Load example" and "Clarify" and checks that the decision,
 P(clarify), the threshold, the question and the grounding highlights shown are those of a direct
-POST of the same body, and that API errors (401, 413, 422) are one readable line. Screenshots are
+POST of the same body, and that API errors (401, 413, 422 from the app; 503 bodies fed to the
+page's fetch) are one readable line. Screenshots are
 kept under the test's tmp_path and copied to ``.clarifier/test-artifacts/`` (gitignored).
 
 Where selenium, chromium or chromedriver is missing the module skips, naming what is missing.
@@ -70,7 +71,7 @@ def server(tiny_model_dir, tmp_path_factory):
     folder = untrained_adapter(tiny_model_dir, tmp_path_factory.mktemp("playground") / "adapter", threshold=0.0)
     with pytest.MonkeyPatch.context() as mp, start_ray(4):
         mp.setenv("CLARIFIER_API_KEYS", KEY)  # read by build_app, in this process
-        cfg = ServeConfig(model_uri=str(folder), port=free_port(), route_prefix=PREFIX, max_new_tokens=12,
+        cfg = ServeConfig(model_uri=str(folder), port=free_port(), route_prefix=PREFIX, max_new_tokens=40,
                           max_history_turns=MAX_HISTORY, cpus_per_replica=0.5)
         yield run_local(cfg, ready_timeout_s=240), folder
 
@@ -117,6 +118,13 @@ def _click_clarify(browser) -> None:
     _wait(browser, lambda d: _requests_done(d) > n)
 
 
+def _percent(browser, element_id, prop) -> float:
+    """An inline ``style.<prop>`` given in percent (the browser writes 0.00% as 0%)."""
+    value = browser.execute_script(f"return document.getElementById('{element_id}').style.{prop}")
+    assert value.endswith("%"), value
+    return float(value[:-1])
+
+
 def _set(browser, element_id, text) -> None:
     e = _id(browser, element_id)
     e.clear()
@@ -125,10 +133,12 @@ def _set(browser, element_id, text) -> None:
 
 
 def _screenshot(browser, tmp_path, name) -> Path:
-    height = browser.execute_script("return document.documentElement.scrollHeight")
-    browser.set_window_size(1280, max(900, min(int(height) + 40, 4000)))
+    """The whole page (beyond the window), as a PNG under tmp_path and ARTIFACTS."""
+    import base64
+
     shot = tmp_path / name
-    assert browser.save_screenshot(str(shot)), "chromium took no screenshot"
+    png = browser.execute_cdp_cmd("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})
+    shot.write_bytes(base64.b64decode(png["data"]))
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(shot, ARTIFACTS / name)
     assert shot.stat().st_size > 10_000  # a rendered page, not an empty image
@@ -179,8 +189,8 @@ def test_playground_shows_the_apis_answer(server, browser, tmp_path):
     assert _id(browser, "threshold").text == f"{thr:.3f}"
     assert float(_id(browser, "threshold").get_attribute("data-value")) == direct["threshold"]
     assert _id(browser, "confidence-fill").value_of_css_property("width") != "0px" or conf == 0
-    assert browser.execute_script("return document.getElementById('confidence-fill').style.width") == f"{conf * 100:.2f}%"
-    assert browser.execute_script("return document.getElementById('threshold-marker').style.left") == f"{thr * 100:.2f}%"
+    assert _percent(browser, "confidence-fill", "width") == pytest.approx(conf * 100, abs=0.01)
+    assert _percent(browser, "threshold-marker", "left") == pytest.approx(thr * 100, abs=0.01)
     assert _id(browser, "threshold-marker").is_displayed()
     assert _id(browser, "model-version").text == str(folder)
     assert _id(browser, "invalid-note").is_displayed() == (not shown["valid_output"])
@@ -241,6 +251,18 @@ def test_playground_errors_are_one_readable_line(server, browser, tmp_path):
     assert text == (f"Request too large (HTTP 413): history has {MAX_HISTORY + 1} turns; max_history_turns is "
                     f"{MAX_HISTORY}"), text
     _screenshot(browser, tmp_path, "playground-error.png")
+
+    # A 503 cannot be had cheaply from the real app: the page's next fetch gets the ingress's
+    # latency-budget refusal (its body and Retry-After), then Serve's proxy's plain-text one.
+    for body, ctype, expected in (
+            ('{"detail": {"error": "overloaded", "limit": "latency_budget_s", "max": 5.0, "message": "9 requests '
+             'are already being answered; retry after 2s"}}', "application/json",
+             "Unavailable (HTTP 503): 9 requests are already being answered; retry after 2s"),
+            ("Service Unavailable", "text/plain", "Unavailable (HTTP 503): Service Unavailable; retry after 2 s")):
+        browser.execute_script(
+            "const real = window.fetch; window.fetch = async () => { window.fetch = real; return new Response("
+            "arguments[0], {status: 503, headers: {'Content-Type': arguments[1], 'Retry-After': '2'}}); };", body, ctype)
+        assert error_after_clarify() == expected
 
     # the pasted-text format fills the rows; the last user line becomes the latest message
     browser.find_element(By.CSS_SELECTOR, "#paste summary").click()
