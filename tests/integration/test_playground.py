@@ -101,7 +101,7 @@ def browser(tmp_path_factory):
 
 
 def _wait(browser, cond, timeout=120):
-    return WebDriverWait(browser, timeout, poll_frequency=0.2).until(lambda d: cond(d))
+    return WebDriverWait(browser, timeout, poll_frequency=0.2).until(cond)
 
 
 def _id(browser, i):
