@@ -64,6 +64,7 @@ def test_real_engine_answers_injections_with_valid_objects(engine):
         assert len(out) == len(reqs)
         for resp, req in zip(out, reqs):
             _check(resp, req)
+            assert resp.threshold == thr  # the answer says the threshold it was decided at
 
 
 def test_generations_that_obey_the_injection_are_contained(engine, monkeypatch):
@@ -75,5 +76,6 @@ def test_generations_that_obey_the_injection_are_contained(engine, monkeypatch):
     for resp, req in zip(out, reqs):
         _check(resp, req)
     assert [r.valid_output for r in out] == [False, False, False, False, False, True]
+    assert all(r.threshold == 0.0 for r in out)  # on the invalid-output fallback too
     assert out[-1].needs_clarification and out[-1].grounding.turns == [0] and out[-1].grounding.passages == ["p1"]
     assert not any(r.needs_clarification for r in out[:-1])

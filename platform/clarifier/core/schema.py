@@ -213,6 +213,11 @@ class ClarifyResponse(BaseModel):
 
     needs_clarification: bool
     confidence: float = Field(description="Model probability that the turn needs clarification.")
+    threshold: float | None = Field(
+        default=None,
+        description="The decision threshold of the model that answered: it asks when confidence >= threshold "
+                    "(and the generation parsed, see valid_output).",
+    )
     question: str | None = None
     grounding: Grounding = Field(default_factory=Grounding)
     model_version: str

@@ -322,15 +322,16 @@ class ClarifierEngine:
         out = []
         for i, (req, p) in enumerate(zip(requests, probs)):
             if i not in gens:
-                out.append(ClarifyResponse(needs_clarification=False, confidence=p, model_version=self.version))
+                out.append(ClarifyResponse(needs_clarification=False, confidence=p, threshold=thr, model_version=self.version))
                 continue
             target, err = try_parse_target(gens[i], history_len=len(req.history), passage_ids=[x.id for x in req.passages])
             if target is None:
                 log.warning("malformed generation (%s); answering without clarification", err)
-                out.append(ClarifyResponse(needs_clarification=False, confidence=p, model_version=self.version, valid_output=False))
+                out.append(ClarifyResponse(needs_clarification=False, confidence=p, threshold=thr, model_version=self.version,
+                                           valid_output=False))
                 continue
             out.append(ClarifyResponse(
-                needs_clarification=True, confidence=p, question=target.question,
+                needs_clarification=True, confidence=p, threshold=thr, question=target.question,
                 grounding=Grounding(turns=list(target.grounding_turns), passages=list(target.grounding_passages)),
                 model_version=self.version,
             ))

@@ -19,6 +19,8 @@ configures and runs them:
   ``GET /healthz``            the process is up (no key needed)
   ``GET /readyz``             200 + model version once a model replica answers, else 503 (no key)
   ``/docs``, ``/openapi.json``
+  ``GET /``, ``GET /playground`` the playground: a self-contained HTML page (no key to load it, not in
+                              the OpenAPI document) whose form calls ``POST v1/clarify``
 
   Status codes: 400 body not UTF-8 (FastAPI cannot decode it), 401 missing/wrong API key (when
   keys are configured), 413 over a size limit (the body names it), 422 bad body (names the

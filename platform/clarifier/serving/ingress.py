@@ -1,15 +1,17 @@
 """The HTTP ingress (``ClarifierIngress``, FastAPI through Serve): routes, API-key check, size
-limits, admission (latency budget), resends after a lost model replica. The routes and status codes
-are listed in :mod:`clarifier.serving.app`."""
+limits, admission (latency budget), resends after a lost model replica, and the playground page.
+The routes and status codes are listed in :mod:`clarifier.serving.app`."""
 
 import asyncio
+import functools
+import importlib.resources
 import logging
 import time
 import uuid
 from typing import Any, List, Optional, Tuple
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Security
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import APIKeyHeader, HTTPBearer
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError
@@ -48,7 +50,27 @@ fastapi_app = FastAPI(
 )
 
 ROUTES = {"/v1/clarify": "clarify", "/v1/clarify/batch": "clarify_batch", "/healthz": "healthz",
-          "/readyz": "readyz", "/metrics": "metrics", "/docs": "docs", "/openapi.json": "openapi"}
+          "/readyz": "readyz", "/metrics": "metrics", "/docs": "docs", "/openapi.json": "openapi",
+          "/": "playground", "/playground": "playground"}
+
+# The playground: one self-contained HTML page (package data beside this module) that calls
+# POST v1/clarify from the browser. The page needs no key (the API calls it makes do) and is not in
+# the OpenAPI document. Its CSP allows nothing but this origin, so it never fetches from elsewhere.
+PLAYGROUND_FILE = "playground.html"
+PLAYGROUND_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                               "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+                               "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def playground_html() -> str:
+    """The playground page (read once from the package data)."""
+    return importlib.resources.files("clarifier.serving").joinpath(PLAYGROUND_FILE).read_text(encoding="utf-8")
 
 
 def request_size(req: ClarifyRequest) -> int:
@@ -124,6 +146,13 @@ ERRORS = {400: {"description": "the body could not be decoded (not UTF-8 JSON)"}
           503: {"description": "overloaded: max_queued_requests requests already wait (the body names it), "
                                "or no model replica could answer; retry after Retry-After seconds"},
           500: {"description": "internal error (details only in the server log)"}}
+
+
+@fastapi_app.get("/", include_in_schema=False, response_class=HTMLResponse)
+@fastapi_app.get("/playground", include_in_schema=False, response_class=HTMLResponse)
+async def playground() -> HTMLResponse:
+    """The playground page: a form that calls POST v1/clarify and shows the answer."""
+    return HTMLResponse(playground_html(), headers=PLAYGROUND_HEADERS)
 
 
 # The batch body is checked in the handler (an empty list is a 422 saying so); the document says it too.
