@@ -665,12 +665,8 @@ def main(argv: Optional[list[str]] = None) -> int:  # the `clarifier` executable
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except Exception as exc:
-        if run.redirected:
-            traceback.print_exc()  # into the log file
-            report_error(exc, argv, run.path)
-        else:
-            traceback.print_exc()
-            report_error(exc, argv, None)
+        traceback.print_exc()  # into the log file when redirected, else on the terminal
+        report_error(exc, argv, run.path)
         code = 1
     finally:
         sys.stdout.flush()

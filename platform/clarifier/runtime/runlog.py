@@ -91,9 +91,3 @@ def redirect(path: Path) -> RunLog:
 def passthrough() -> RunLog:
     return RunLog(path=None, terminal_out=sys.stdout, terminal_err=sys.stderr)
 
-
-def is_tty(stream: IO[str]) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
