@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import sys
 import threading
 import time
 from pathlib import Path
@@ -63,8 +64,24 @@ def cpu_info() -> dict:
 def write_result(name: str, data: dict, out: str | Path | None = None) -> Path:
     path = Path(out) if out else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"benchmark": name, "machine": machine_info(), **data}, indent=2) + "\n")
+    path.write_text(json.dumps({"benchmark": name, "machine": machine_info(), "command": " ".join(sys.argv),
+                                "code": code_version(), **data}, indent=2) + "\n")
     return path
+
+
+def code_version() -> str:
+    """The commit the benchmark ran (``+changes`` when the work tree differed from it)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+changes" if dirty else "")
 
 
 class PeakMemory:

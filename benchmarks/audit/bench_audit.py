@@ -9,7 +9,8 @@
    in-domain error rates. For each rate: the raw flagged share among failed turns, the corrected
    estimate and its interval, whether the interval contains the realised planted share, and the
    verdict against the 15% rule. The same runs without the labels (``audit.error_rates=calibration``:
-   the model's own dev-split counts) show what an out-of-domain correction does.
+   the model's own dev-split counts) show what an out-of-domain correction does; they re-estimate
+   from the first run's scores (``audit.reuse_scores``) instead of scoring the turns again.
 2. **Throughput** (turns/s, read + score + write) with 1 and 2 scorer actors on this machine, the
    same input, in one run; the ratio.
 3. **Peak memory** of the driver and the Ray workers for the input and for 10x the input
@@ -72,8 +73,9 @@ def planted_rates(model: str, tmp: Path, n: int, rates: list[float], labelled: f
         logs = tmp / f"logs-{rate}"
         write_chatlogs(str(logs), n, seed=seed, planted_share=rate, labelled_share=labelled)
         planted = planted_summary(generate_chatlogs(n, seed=seed, planted_share=rate, labelled_share=labelled))
-        for key in modes:
-            s = _audit(logs, tmp / f"audit-{rate}-{key}", model, "audit.sample_questions=0", MODES[key])
+        for i, key in enumerate(modes):  # scored once; the other mode re-estimates from the same scores
+            s = _audit(logs, tmp / f"audit-{rate}", model, "audit.sample_questions=0", MODES[key],
+                       f"audit.reuse_scores={str(i > 0).lower()}")
             row = _row(s, planted)
             out[key].append(row)
             say(f"planted {row['planted_share']:.3f} ({key}): raw {row['raw']:.3f}, corrected {row['corrected']} "
@@ -141,9 +143,11 @@ def public_sets(model: str, tmp: Path, data: str, labelled: float, seed: int, sa
         (logs / "part-0.jsonl").write_text("".join(json.dumps(_as_transcript(e, rng.random() < labelled)) + "\n" for e in exs))
         truth = sum(e.needs_clarification for e in exs) / len(exs)
         row: dict = {"turns": len(exs), "true_share": truth}
-        for key, extra in (("with_labels", "audit.error_rates=auto"), ("calibration", "audit.error_rates=calibration")):
-            s = _audit(logs, tmp / f"audit-public-{src}-{key}", model, "audit.sample_questions=0",
-                       "audit.signals.reformulation.enabled=false", "audit.min_labelled=10", extra)
+        for i, (key, extra) in enumerate((("with_labels", "audit.error_rates=auto"),
+                                          ("calibration", "audit.error_rates=calibration"))):
+            s = _audit(logs, tmp / f"audit-public-{src}", model, "audit.sample_questions=0",
+                       "audit.signals.reformulation.enabled=false", "audit.min_labelled=10", extra,
+                       f"audit.reuse_scores={str(i > 0).lower()}")
             t = s["flagged_share"]
             ci = t.get("corrected_ci")
             row[key] = {"raw": t["raw"], "corrected": t.get("corrected"), "corrected_ci": ci,
@@ -184,10 +188,10 @@ def main() -> None:
     result: dict = {"model": args.model, "overrides": args.overrides}
     with tempfile.TemporaryDirectory(prefix="bench-audit-") as d:
         tmp = Path(d)
-        parts = {
+        parts = {  # throughput first: the part most sensitive to anything else on the machine
+            "throughput": lambda: throughput(args.model, tmp, args.throughput_conversations, args.seed, say),
             "planted": lambda: planted_rates(args.model, tmp, args.conversations, args.rates, args.labelled, args.seed,
                                              say, args.modes),
-            "throughput": lambda: throughput(args.model, tmp, args.throughput_conversations, args.seed, say),
             "memory": lambda: memory(args.model, tmp, args.memory_conversations, args.seed, say),
             "public": lambda: public_sets(args.model, tmp, args.public_data, args.labelled, args.seed, say),
         }

@@ -373,6 +373,9 @@ def audit(logs: Optional[str] = typer.Option(None, help="Folder, file or s3:// p
                                                "registry.model_name@registry.alias with a tracking URI, else the quickstart's model."),
           out: Optional[str] = typer.Option(None, help="Folder or s3:// prefix for turns Parquet, quarantine and the report."),
           eval_report: Optional[str] = typer.Option(None, help="report.json of `clarifier eval` for this model (its error rates)."),
+          reuse_scores: bool = typer.Option(False, "--reuse-scores", help="Estimate again from the turns an earlier "
+                                            "audit scored into --out (same logs and model), without scoring: for other "
+                                            "error rates, threshold or rule."),
           config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
           installed_code: bool = InstalledCodeOpt, overrides: Optional[list[str]] = OverridesArg):
     """Audit RAG logs: the share of failed turns that needed clarification, corrected, with a verdict."""
@@ -382,6 +385,8 @@ def audit(logs: Optional[str] = typer.Option(None, help="Folder, file or s3:// p
     for key, value in (("logs", logs), ("output", out), ("model_uri", model), ("eval_report", eval_report)):
         if value:
             setattr(cfg.audit, key, value)
+    if reuse_scores:
+        cfg.audit.reuse_scores = True
     if submit:
         _submit(submit, ["audit"], cfg, [], installed_code)
     from clarifier.evaluation.audit import AuditError, run_audit

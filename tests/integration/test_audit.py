@@ -120,7 +120,25 @@ def test_audit_on_loopback_s3_with_labelled_turns(model, ray_local, s3_bucket, t
     assert rates["source"].startswith("80 labelled turns in these logs") and rates["tp"] + rates["fn"] == 40
     assert storage.exists(f"s3://{s3_bucket}/audit/report.html")
     assert json.loads(storage.read_text(f"s3://{s3_bucket}/audit/report.json"))["counts"]["turns"] == 160
-    assert storage.list_files(f"s3://{s3_bucket}/audit/turns", (".parquet",))
+    scored = storage.list_files(f"s3://{s3_bucket}/audit/turns", (".parquet",))
+    assert scored
+
+    # Estimate again from the same scores with other error rates: nothing is scored, the turns stay.
+    again = run_audit(cfg.model_copy(update={"audit": cfg.audit.model_copy(
+        update={"reuse_scores": True, "error_rates": "calibration"})}), progress=lambda m: None)
+    assert again["reused_scores"] and again["seconds_read_and_score"] == 0
+    assert again["counts"]["turns"] == 160 and again["error_rates"]["source"].startswith("the model's calibration split")
+    assert any("reused" in n for n in again["notes"])
+    assert storage.list_files(f"s3://{s3_bucket}/audit/turns", (".parquet",)) == scored
+    # ... refused once the logs changed (one more conversation), naming what changed
+    storage.write_text(f"s3://{s3_bucket}/logs/part-0.jsonl", local.read_text() + json.dumps(_logs(1)[0]) + "\n")
+    with pytest.raises(ValueError, match=r"reuse_scores: the turns in .* were scored from other inputs \(files"):
+        run_audit(cfg.model_copy(update={"audit": cfg.audit.model_copy(update={"reuse_scores": True})}),
+                  progress=lambda m: None)
+    # ... and where nothing was scored yet
+    with pytest.raises(ValueError, match="no scored turns to reuse"):
+        run_audit(cfg.model_copy(update={"audit": cfg.audit.model_copy(
+            update={"reuse_scores": True, "output": f"s3://{s3_bucket}/elsewhere"})}), progress=lambda m: None)
 
 
 @pytest.mark.timeout(300)

@@ -447,6 +447,9 @@ class AuditConfig(_Strict):
         "with the error rates measured on the other half: a conservative serving threshold flags too few turns "
         "to correct from. auto = youden when the error rates come from labels and each half has min_labelled "
         "of each class, else model. A number: that threshold (error rates from the labels only).")
+    reuse_scores: bool = Field(False, description="Estimate again from the scored turns an earlier audit wrote "
+                               "to `output` (same logs, same model) without scoring again: for other error rates, "
+                               "threshold, rule, bootstrap or labels. Refused when the logs or the model changed.")
     actors: int = Field(1, ge=1, description="Scorer actors (each loads the model once).")
     cpus_per_actor: float = Field(1, gt=0)
     gpus_per_actor: float = Field(0, ge=0)

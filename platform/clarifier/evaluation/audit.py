@@ -49,6 +49,7 @@ from clarifier.data.signals import SIGNALS
 from clarifier.runtime import storage
 
 TURNS_DIR, QUARANTINE_DIR, REPORT = "turns", "quarantine", "report.json"
+SCORES = "scores.json"  # what the turns in TURNS_DIR were scored from (audit.reuse_scores checks it)
 HIST_BINS = 20
 POSITIONS = 5  # user positions 1..4 and "5+"
 TURN_COLUMNS = ["id", "conversation_id", "turn_index", "user_position", "bucket", "sample_key", "score", "flagged",
@@ -295,6 +296,39 @@ def _error_rates(cfg: ClarifierConfig, meta, gold: dict[str, tuple[int, int]], n
     return rates
 
 
+def _scored_from(files: list[str], model_uri: str, resolved, cfg: ClarifierConfig) -> dict:
+    """What the scored turns depend on: the log files (and their sizes), the model (its clarifier.json),
+    the segment fields, the signals' settings, the buckets. ``audit.reuse_scores`` needs all equal."""
+    import hashlib
+
+    meta_json = Path(resolved.folder, "clarifier.json").read_bytes()
+    a = cfg.audit
+    return {"logs": a.logs, "files": storage.sizes(files), "model_uri": model_uri, "model_version": resolved.version,
+            "model_meta_sha256": hashlib.sha256(meta_json).hexdigest(), "segments": list(a.segments),
+            "signals": a.signals.model_dump(mode="json"), "buckets": a.buckets, "max_turn_chars": a.max_turn_chars}
+
+
+def _check_reusable(output: str, now: dict) -> None:
+    uri = storage.join(output, SCORES)
+    if not storage.exists(uri) or not storage.exists(storage.join(output, TURNS_DIR)):
+        raise ValueError(f"audit.reuse_scores: no scored turns to reuse in {output} ({SCORES} or {TURNS_DIR}/ missing): "
+                         "run the audit once without --reuse-scores")
+    try:
+        before = json.loads(storage.read_text(uri))
+    except ValueError as exc:
+        raise ValueError(f"audit.reuse_scores: {uri} is not readable JSON ({exc})") from None
+    changed = [k for k in now if before.get(k) != now[k]]
+    if changed:
+        detail = "; ".join(f"{k}: {_short(before.get(k))} then, {_short(now[k])} now" for k in changed)
+        raise ValueError(f"audit.reuse_scores: the turns in {output} were scored from other inputs ({detail}): "
+                         "run without --reuse-scores to score again")
+
+
+def _short(v) -> str:
+    text = json.dumps(v, sort_keys=True)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def _estimates(groups: dict, rates, cfg) -> dict:
     a = cfg.audit
 
@@ -396,8 +430,14 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
         raise FileNotFoundError(f"no {'/'.join(SUFFIXES[f] for f in a.formats)} files under {a.logs}")
     progress(f"[audit] {len(files)} log file(s) under {a.logs}; model {model_uri} (version {resolved.version or '-'}, "
              f"threshold {meta.threshold:.3f})")
-    for sub in (TURNS_DIR, QUARANTINE_DIR):
-        storage.delete_dir(storage.join(a.output, sub))
+    scored_from = _scored_from(files, model_uri, resolved, cfg)
+    if a.reuse_scores:
+        _check_reusable(a.output, scored_from)
+        progress(f"[audit] reusing the scored turns in {storage.join(a.output, TURNS_DIR)} (audit.reuse_scores)")
+    else:
+        storage.delete_file(storage.join(a.output, SCORES))
+        storage.delete_dir(storage.join(a.output, TURNS_DIR))
+    storage.delete_dir(storage.join(a.output, QUARANTINE_DIR))
 
     ray = init_ray()
     fs, _ = storage.filesystem(a.logs)
@@ -444,25 +484,32 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
             "max_new_tokens": cfg.eval.max_new_tokens, "precision": cfg.model.precision,
             **({"device": "cuda"} if a.gpus_per_actor else {})}
     precision = describe(cfg.model.precision, "cuda" if a.gpus_per_actor else "cpu")
-    progress(f"[audit] scoring {counts['n_turns']} turns with {a.actors} actor(s), {precision}")
-    scored = turns.map_batches(
-        TurnScorer, batch_size=a.batch_size * 4, batch_format="pyarrow",
-        fn_constructor_kwargs={"spec": spec, "batch_size": a.batch_size, "cpus": a.cpus_per_actor,
-                               "reformulation": reform},
-        compute=ray.data.ActorPoolStrategy(size=a.actors, max_tasks_in_flight_per_actor=SCORE_IN_FLIGHT),
-        num_cpus=a.cpus_per_actor,
-        num_gpus=a.gpus_per_actor or None,
-    )
     turns_uri = storage.join(a.output, TURNS_DIR)
     tfs, tpath = storage.filesystem(turns_uri)
     seg_cols = [segment_column(s) for s in a.segments]
-    scored.select_columns(TURN_COLUMNS + seg_cols, num_cpus=0).write_parquet(tpath, filesystem=tfs, min_rows_per_file=ROWS_PER_FILE,
-                                                                              ray_remote_args={"num_cpus": 0})
-    t_scored = time.time() - t0
-    progress(f"[audit] scored turns -> {turns_uri} ({t_scored:.0f}s)")
+    if a.reuse_scores:
+        t_scored = 0.0
+    else:
+        progress(f"[audit] scoring {counts['n_turns']} turns with {a.actors} actor(s), {precision}")
+        scored = turns.map_batches(
+            TurnScorer, batch_size=a.batch_size * 4, batch_format="pyarrow",
+            fn_constructor_kwargs={"spec": spec, "batch_size": a.batch_size, "cpus": a.cpus_per_actor,
+                                   "reformulation": reform},
+            compute=ray.data.ActorPoolStrategy(size=a.actors, max_tasks_in_flight_per_actor=SCORE_IN_FLIGHT),
+            num_cpus=a.cpus_per_actor,
+            num_gpus=a.gpus_per_actor or None,
+        )
+        scored.select_columns(TURN_COLUMNS + seg_cols, num_cpus=0).write_parquet(
+            tpath, filesystem=tfs, min_rows_per_file=ROWS_PER_FILE, ray_remote_args={"num_cpus": 0})
+        t_scored = time.time() - t0
+        storage.write_text(storage.join(a.output, SCORES), json.dumps(scored_from, indent=1))
+        progress(f"[audit] scored turns -> {turns_uri} ({t_scored:.0f}s)")
 
     written = ray.data.read_parquet(tpath, filesystem=tfs)
     notes: list[str] = []
+    if a.reuse_scores:
+        notes.append(f"the scores were reused from an earlier run of this audit ({storage.join(a.output, SCORES)}); "
+                     "the turns were not scored again")
     est_threshold, chosen_rates = _estimation_threshold(cfg, meta, written, notes, progress)
     agg_cols = ["bucket", "failed", "flagged", "user_position", "answered", "n_passages", *SIGNALS, "feedback_unknown",
                 "gold", "score", *seg_cols]
@@ -494,7 +541,7 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
     sample = _sample_questions(ray, written, spec, a, progress) if a.sample_questions else []
     summary = {
         "started": started.isoformat(timespec="seconds"), "seconds": round(time.time() - t0, 1),
-        "seconds_read_and_score": round(t_scored, 1), "logs": a.logs, "output": a.output,
+        "seconds_read_and_score": round(t_scored, 1), "reused_scores": a.reuse_scores, "logs": a.logs, "output": a.output,
         "model_uri": model_uri, "model_version": resolved.version, "base_model": meta.base_model,
         "threshold": meta.threshold, "estimation_threshold": est_threshold, "precision": precision, "actors": a.actors,
         "counts": {"files": len(files), "records": counts["n_lines"], "blank_lines": counts["n_blank"],

@@ -96,6 +96,21 @@ def delete_dir(uri: str) -> None:
         fs.delete_dir(path)
 
 
+def delete_file(uri: str) -> None:
+    fs, path = filesystem(uri)
+    if fs.get_file_info(path).type == pafs.FileType.File:
+        fs.delete_file(path)
+
+
+def sizes(uris: list[str]) -> dict[str, int]:
+    """Byte size of each file (one listing call per filesystem)."""
+    if not uris:
+        return {}
+    fs, _ = filesystem(uris[0])
+    infos = fs.get_file_info([filesystem(u)[1] for u in uris])
+    return {u: int(i.size or 0) for u, i in zip(uris, infos)}
+
+
 def list_files(uri: str, suffixes: tuple[str, ...] = ()) -> list[str]:
     """Files under a folder/prefix (or the file itself), as URIs of the same scheme, sorted."""
     fs, path = filesystem(uri)
