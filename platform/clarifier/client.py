@@ -68,12 +68,20 @@ def _retry_after(resp: httpx.Response) -> float:
         return 0.0
 
 
-def _detail(resp: httpx.Response) -> Any:
+def _detail(resp: httpx.Response, key: str = "detail") -> Any:
     try:
         body = resp.json()
     except ValueError:
         return resp.text
-    return body.get("detail", body) if isinstance(body, dict) else body
+    return body.get(key, body) if isinstance(body, dict) else body
+
+
+def clarification_of(completion: Mapping[str, Any]) -> str | None:
+    """The question in a chat-completions answer of the clarification contract; None for ``"CLEAR"``."""
+    import json
+
+    value = json.loads(completion["choices"][0]["message"]["content"])["clarification"]
+    return None if value == "CLEAR" else value
 
 
 class ClarifierClient:
@@ -127,6 +135,24 @@ class ClarifierClient:
         if resp.status_code != 200:
             raise ClarifierAPIError(resp.status_code, _detail(resp))
         return [ClarifyResponse.model_validate(x) for x in resp.json()]
+
+    def chat_completions(self, messages: Iterable[Mapping[str, Any]], documents: Iterable[Mapping[str, Any] | str] = (),
+                         model: str | None = None, **params: Any) -> dict:
+        """``POST /v1/chat/completions`` (the OpenAI / Granite query-clarification contract): ``messages``
+        as OpenAI chat messages (the last one the user's query), ``documents`` as ``{"doc_id", "text"}``.
+        Returns the ChatCompletion object as a dict; ``json.loads(r["choices"][0]["message"]["content"])
+        ["clarification"]`` is the question or ``"CLEAR"`` (also :func:`clarification_of`). Errors raise
+        ClarifierAPIError with OpenAI's ``error`` object as ``detail``."""
+        body = {"messages": [dict(m) for m in messages], **params}
+        docs = [d if isinstance(d, str) else dict(d) for d in documents]
+        if docs:
+            body["documents"] = docs
+        if model is not None:
+            body["model"] = model
+        resp = self._request("POST", "/v1/chat/completions", json=body)
+        if resp.status_code != 200:
+            raise ClarifierAPIError(resp.status_code, _detail(resp, key="error"))
+        return resp.json()
 
     def ready(self) -> bool:
         """True when ``/readyz`` answers 200 (one attempt, never raises)."""

@@ -70,8 +70,7 @@ def test_real_engine_answers_injections_with_valid_objects(engine):
 def test_generations_that_obey_the_injection_are_contained(engine, monkeypatch):
     reqs = [ClarifyRequest(history=[Turn(role="user", text=PAYLOADS[0]), Turn(role="assistant", text="ok")],
                            query="reset it", passages=[Passage(id="p1", text=PAYLOADS[1])])] * len(OBEYED)
-    monkeypatch.setattr(engine, "generate_clarification", lambda items: list(OBEYED[: len(items)]))
-    monkeypatch.setattr(engine, "_generate_from", lambda state, rows, items: list(OBEYED[: len(items)]))  # one prefill
+    monkeypatch.setattr(engine, "_ask", lambda state, rows, items: (list(OBEYED[: len(items)]), [1] * len(items)))
     out = engine.clarify(reqs, threshold=0.0)
     for resp, req in zip(out, reqs):
         _check(resp, req)

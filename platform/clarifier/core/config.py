@@ -341,6 +341,8 @@ class ServeAutoscalingConfig(_Strict):
 
 class ServeConfig(_Strict):
     model_uri: str = "models:/clarifier@champion"
+    model_name: str | None = Field(None, description="The model id of GET /v1/models and chat completions; default: "
+                                   "the registered model's name (models:/name...), else the model folder's name.")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     route_prefix: str = "/"

@@ -208,6 +208,15 @@ class Grounding(BaseModel):
     passages: list[str] = Field(default_factory=list)
 
 
+class Usage(BaseModel):
+    """Tokens one answer cost: ``prompt_tokens`` read by the decision pass (prompt + ``decision:``),
+    ``completion_tokens`` generated after it (0 when no question is asked)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
 class ClarifyResponse(BaseModel):
     """Answer of ``POST /v1/clarify``."""
 
@@ -225,6 +234,7 @@ class ClarifyResponse(BaseModel):
         default=True,
         description="False when the generation did not parse; the answer then falls back to no clarification.",
     )
+    usage: Usage | None = Field(default=None, description="Tokens read and generated for this answer.")
 
 
 def source_of(example: "Example") -> str:

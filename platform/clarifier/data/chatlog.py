@@ -51,7 +51,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from clarifier.core.schema import ConversationLog, Example, Passage, Turn, describe_validation_error
+from clarifier.core.schema import ClarifyRequest, ConversationLog, Example, Passage, Turn, describe_validation_error
 
 SKIPPED_ROLES = ("system", "developer")
 TOOL_ROLES = ("tool", "function")
@@ -304,3 +304,16 @@ def audit_turns(obj: Any, fallback_id: str) -> list[AuditTurn]:
 def stable_id(source: str, line: int) -> str:
     """A conversation id for a record without one: short, stable across reruns."""
     return "conv-" + hashlib.sha256(f"{source}:{line}".encode()).hexdigest()[:12]
+
+
+def clarify_request_from_chat(messages: list[Any], documents: list[Any] = ()) -> ClarifyRequest:
+    """The :class:`ClarifyRequest` of a chat-completions request (``POST /v1/chat/completions``):
+    ``messages`` read as a transcript (above), the last user message is the query, ``documents``
+    (``[{"doc_id", "text"}]`` or strings) its passages unless it carries its own or tool results follow
+    it. ``ValueError`` naming the message when the conversation does not end with the user's query."""
+    turns = from_transcript({"messages": list(messages), "metadata": {"documents": list(documents)}}, "request")
+    last = turns[-1]
+    if last.answer is not None:
+        raise ValueError(f"messages[{len(messages) - 1}]: the conversation ends with an assistant answer; the last "
+                         "message must be the user's query (role 'user') that may need clarifying")
+    return ClarifyRequest(history=last.history, query=last.query, passages=last.passages)

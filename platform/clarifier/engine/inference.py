@@ -33,7 +33,7 @@ from clarifier.engine.target_constraint import TargetConstraint, grammar_for, vo
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from clarifier.engine.precision import place, resolve_precision, torch_dtype
 from clarifier.core.prompt import PromptOptions, render_prompt
-from clarifier.core.schema import ClarifyRequest, ClarifyResponse, Grounding
+from clarifier.core.schema import ClarifyRequest, ClarifyResponse, Grounding, Usage
 from clarifier.core.target import ANSWER, CLARIFY, DECISION_PREFIX, try_parse_target
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,8 @@ class DecisionPass:
 
     input_ids: Any  # torch.LongTensor [batch, length]: left-padded prompt + "decision:" ids
     attention_mask: Any
-    cache: Any  # the transformers Cache of every row
+    cache: Any  # the transformers Cache of every row (None unless the pass kept it)
+    prompt_tokens: list[int]  # tokens each row read (its unpadded length)
 
 
 class ClarifierEngine:
@@ -194,7 +195,7 @@ class ClarifierEngine:
 
         The two decision logits are computed in float32 from the final hidden state (a bf16 model's
         own logits are rounded to 8 bits of mantissa, too coarse for a calibrated threshold). With
-        ``keep_cache`` the pass also returns its inputs and KV cache for :meth:`_generate_from`.
+        ``keep_cache`` the pass also returns its inputs and KV cache for :meth:`_ask`.
         """
         torch = self._torch
         texts = [self._prompt(h, q, p) + DECISION_PREFIX for h, q, p in items]
@@ -219,7 +220,8 @@ class ClarifierEngine:
                 probs = torch.softmax(pair, dim=-1)[:, 0]
         finally:
             hook.remove()
-        state = DecisionPass(enc["input_ids"], enc["attention_mask"], out.past_key_values) if keep_cache else None
+        state = DecisionPass(enc["input_ids"], enc["attention_mask"], out.past_key_values if keep_cache else None,
+                             [int(n) for n in enc["attention_mask"].sum(dim=1)])
         return [float(x) for x in probs], state
 
     def score(self, items: list[tuple]) -> list[float]:
@@ -263,8 +265,19 @@ class ClarifierEngine:
             return []
         return self._texts(self._prefill_ids(items))
 
-    def _generate_from(self, state: DecisionPass, rows: list[int], items: list[tuple]) -> list[str]:
-        return self._texts(self._continue_ids(state, rows, items))
+    def _ask(self, state: DecisionPass, rows: list[int], items: list[tuple]) -> tuple[list[str], list[int]]:
+        """The target texts for ``items`` (rows ``rows`` of the decision pass) and how many tokens were
+        generated for each: from the pass's KV cache when it kept one, else with a prefill of their own."""
+        ids = self._continue_ids(state, rows, items) if state.cache is not None else self._prefill_ids(items)
+        return self._texts(ids), self._generated_counts(ids)
+
+    def _generated_counts(self, new_ids) -> list[int]:
+        """Tokens generated per row: up to and including the first end-of-sequence token (the rest is padding)."""
+        eos = self.tok.eos_token_id
+        out = []
+        for row in new_ids.tolist():
+            out.append(row.index(eos) + 1 if eos in row else len(row))
+        return out
 
     def _continue_ids(self, state: DecisionPass, rows: list[int], items: list[tuple]):
         """:meth:`generate_clarification` for ``items`` (rows ``rows`` of the decision pass),
@@ -311,29 +324,28 @@ class ClarifierEngine:
             return []
         probs, state = self._decide(items, keep_cache=self.one_prefill)
         ask = [i for i, p in enumerate(probs) if p >= thr]
-        if not ask:
-            texts = []
-        elif state is not None:
-            texts = self._generate_from(state, ask, [items[i] for i in ask])
-        else:
-            texts = self.generate_clarification([items[i] for i in ask])
+        texts, generated = self._ask(state, ask, [items[i] for i in ask]) if ask else ([], [])
+        prompt_tokens = state.prompt_tokens
         del state  # the KV cache: freed before the responses are built
         gens = dict(zip(ask, texts))
+        new_tokens = dict(zip(ask, generated))
         out = []
         for i, (req, p) in enumerate(zip(requests, probs)):
+            n_new = new_tokens.get(i, 0)
+            usage = Usage(prompt_tokens=prompt_tokens[i], completion_tokens=n_new, total_tokens=prompt_tokens[i] + n_new)
+            common = {"confidence": p, "threshold": thr, "model_version": self.version, "usage": usage}
             if i not in gens:
-                out.append(ClarifyResponse(needs_clarification=False, confidence=p, threshold=thr, model_version=self.version))
+                out.append(ClarifyResponse(needs_clarification=False, **common))
                 continue
             target, err = try_parse_target(gens[i], history_len=len(req.history), passage_ids=[x.id for x in req.passages])
             if target is None:
                 log.warning("malformed generation (%s); answering without clarification", err)
-                out.append(ClarifyResponse(needs_clarification=False, confidence=p, threshold=thr, model_version=self.version,
-                                           valid_output=False))
+                out.append(ClarifyResponse(needs_clarification=False, valid_output=False, **common))
                 continue
             out.append(ClarifyResponse(
-                needs_clarification=True, confidence=p, threshold=thr, question=target.question,
+                needs_clarification=True, question=target.question,
                 grounding=Grounding(turns=list(target.grounding_turns), passages=list(target.grounding_passages)),
-                model_version=self.version,
+                **common,
             ))
         return out
 

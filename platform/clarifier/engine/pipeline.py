@@ -81,6 +81,13 @@ class PipelineEngine(ClarifierEngine):
         new = self.tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         return [s.split("\n", 1)[0] if one_line else s for s in new]
 
+    def _ask(self, state, rows: list[int], items: list[tuple]) -> tuple[list[str], list[int]]:
+        """Texts from the ``how`` and ``what`` adapters; tokens generated counted on the decoded text
+        (two generate calls, re-tokenised: the text's tokens, not the exact ids sampled)."""
+        texts = self.generate_clarification(items)
+        skip = len(f"{DECISION_PREFIX} {CLARIFY}\n")
+        return texts, [len(self.tok(t[skip:], add_special_tokens=False)["input_ids"]) + 1 for t in texts]
+
     def generate_clarification(self, items: list[tuple]) -> list[str]:
         """Grounding from the ``how`` adapter, then the question from the ``what`` adapter."""
         if not items:

@@ -15,6 +15,9 @@ configures and runs them:
 
   ``POST /v1/clarify``        ClarifyRequest -> ClarifyResponse
   ``POST /v1/clarify/batch``  [ClarifyRequest, ...] -> [ClarifyResponse, ...] (max_batch_requests)
+  ``POST /v1/chat/completions`` OpenAI chat completions in the query-clarification contract of IBM's
+                              RAG intrinsics (``clarifier.core.chat_completions``); errors in OpenAI's shape
+  ``GET /v1/models``          the served model, as OpenAI lists models
   ``GET /metrics``            Prometheus text of this ingress replica (see ``metrics``)
   ``GET /healthz``            the process is up (no key needed)
   ``GET /readyz``             200 + model version once a model replica answers, else 503 (no key)
@@ -158,10 +161,24 @@ def build_app(cfg: ServeConfig, tracking_uri: Optional[str] = None) -> serve.App
     first_replicas = (cfg.autoscaling.initial_replicas or cfg.autoscaling.min_replicas) if cfg.autoscaling.enabled \
         else cfg.num_replicas
     return ClarifierIngress.options(**ingress_opts).bind(
-        model, max_history_turns=cfg.max_history_turns, max_chars=cfg.max_chars, api_key_digests=digests,
+        model, model_id=served_model_id(cfg), max_history_turns=cfg.max_history_turns, max_chars=cfg.max_chars,
+        api_key_digests=digests,
         max_batch_requests=cfg.max_batch_requests, max_queued_requests=model_opts["max_queued_requests"],
         latency_budget_s=budget, initial_limit=2 * model_opts["max_ongoing_requests"] * first_replicas,
     )
+
+
+def served_model_id(cfg: ServeConfig) -> str:
+    """The id OpenAI-compatible clients see (``serve.model_name``, else the registered model's name,
+    else the model folder's or object's last path part)."""
+    if cfg.model_name:
+        return cfg.model_name
+    uri = cfg.model_uri.rstrip("/")
+    if uri.startswith("models:/"):
+        return uri[len("models:/"):].split("@")[0].split("/")[0] or "clarifier"
+    if uri.startswith(("runs:/", "builtin:")):
+        return uri.split(":", 1)[1].strip("/").replace("/", "-") or "clarifier"
+    return uri.rsplit("/", 1)[-1] or "clarifier"
 
 
 def _nest_dotted(args: dict) -> dict:
@@ -244,8 +261,8 @@ def run_local(cfg: ServeConfig, tracking_uri: Optional[str] = None, blocking: bo
     log.info("Clarifier serving %s at %s (docs: %s/docs)", info.get("model_version"), url, url)
     if blocking:
         auth = "on" if load_api_keys(cfg.api_keys_file) else f"OFF (no ${API_KEYS_ENV} / serve.api_keys_file)"
-        say(f"Clarifier serving model {info.get('model_version')} at {url} (docs {url}/docs, API keys {auth}); "
-            "Ctrl-C to stop")
+        say(f"Clarifier serving model {info.get('model_version')} at {url} (playground {url}/playground, docs "
+            f"{url}/docs, OpenAI-compatible base_url {url}/v1, API keys {auth}); Ctrl-C to stop")
         try:
             while True:
                 time.sleep(3600)

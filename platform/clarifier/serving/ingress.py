@@ -5,19 +5,25 @@ The routes and status codes are listed in :mod:`clarifier.serving.app`."""
 import asyncio
 import functools
 import importlib.resources
+import json
 import logging
 import time
 import uuid
 from typing import Any, List, Optional, Tuple
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Security
+from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import APIKeyHeader, HTTPBearer
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from clarifier.core.chat_completions import (CHAT_PATHS, ChatCompletionRequest, ChatRequestError, chat_completion,
+                                             error_body, error_from_detail, model_list, parse_chat_request)
 from clarifier.core.schema import ClarifyRequest, ClarifyResponse
+from clarifier.data.chatlog import clarify_request_from_chat
 from clarifier.runtime.retry import RetryPolicy
 from clarifier.serving.auth import ENV_VAR as API_KEYS_ENV
 from clarifier.serving.auth import HEADER as API_KEY_HEADER
@@ -51,7 +57,8 @@ fastapi_app = FastAPI(
 
 ROUTES = {"/v1/clarify": "clarify", "/v1/clarify/batch": "clarify_batch", "/healthz": "healthz",
           "/readyz": "readyz", "/metrics": "metrics", "/docs": "docs", "/openapi.json": "openapi",
-          "/": "playground", "/playground": "playground"}
+          "/": "playground", "/playground": "playground", "/v1/chat/completions": "chat_completions",
+          "/v1/models": "models"}
 
 # The playground: one self-contained HTML page (package data beside this module) that calls
 # POST v1/clarify from the browser. The page needs no key (the API calls it makes do) and is not in
@@ -102,10 +109,41 @@ def _ingress() -> "ClarifierIngress":
 
 
 def _route_of(request: Request) -> str:
+    return ROUTES.get(_route_path(request), "other")
+
+
+def _route_path(request: Request) -> str:
     path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
-    if root and path.startswith(root):
-        path = path[len(root):]
-    return ROUTES.get(path.rstrip("/") or "/", "other")
+    return (path[len(root):] if root and path.startswith(root) else path).rstrip("/") or "/"
+
+
+def _openai_route(request: Request) -> bool:
+    return _route_path(request) in CHAT_PATHS
+
+
+# On the OpenAI-compatible routes every error has OpenAI's body ({"error": {"message", "type", "param",
+# "code"}}), which the openai client turns into its typed exceptions; elsewhere FastAPI's own.
+@fastapi_app.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException):
+    if not _openai_route(request):
+        return await http_exception_handler(request, exc)
+    return JSONResponse(status_code=exc.status_code, content=error_from_detail(exc.status_code, exc.detail),
+                        headers=getattr(exc, "headers", None))
+
+
+@fastapi_app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    if not _openai_route(request):
+        return await request_validation_exception_handler(request, exc)
+    return JSONResponse(status_code=400, content=error_from_detail(400, list(exc.errors())))
+
+
+def openai_error(resp: JSONResponse) -> JSONResponse:
+    """A refusal of the Clarifier routes' shape (``{"detail": {...}}``) in OpenAI's, same status and headers."""
+    detail = json.loads(resp.body).get("detail")
+    headers = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
+    return JSONResponse(status_code=resp.status_code, content=error_from_detail(resp.status_code, detail),
+                        headers=headers)
 
 
 @fastapi_app.middleware("http")
@@ -157,16 +195,23 @@ async def playground() -> HTMLResponse:
 
 # The batch body is checked in the handler (an empty list is a 422 saying so); the document says it too.
 BATCH_BODY_DOC = {"requestBody": {"content": {"application/json": {"schema": {"minItems": 1}}}}}
+# The chat body is parsed in the handler (errors in OpenAI's shape, naming the parameter); documented here.
+CHAT_BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": ChatCompletionRequest.model_json_schema()}}}}
+CHAT_ERRORS = {400: {"description": "a parameter is invalid or unsupported (OpenAI's error body names it)"},
+               **{k: v for k, v in ERRORS.items() if k != 400}}
 
 
 @serve.deployment(name="ClarifierIngress")
 @serve.ingress(fastapi_app)
 class ClarifierIngress:
-    def __init__(self, model: Any, max_history_turns: int = 50, max_chars: int = 20000,
+    def __init__(self, model: Any, model_id: str = "clarifier", max_history_turns: int = 50, max_chars: int = 20000,
                  ready_timeout_s: float = 5.0, api_key_digests: Tuple[str, ...] = (),
                  max_batch_requests: int = 32, max_queued_requests: int = -1, ray_metrics: bool = True,
                  latency_budget_s: Optional[float] = None, initial_limit: int = 8):
         self.model = model  # DeploymentHandle to ClarifierModel
+        self.model_id = model_id  # what OpenAI-compatible clients see as the model
+        self.started = int(time.time())
         # max_queued_requests null: admission from the latency budget (see serving.admission).
         self.admission = LatencyBudget(latency_budget_s, initial_limit) if latency_budget_s else None
         self.max_history_turns = max_history_turns
@@ -295,6 +340,45 @@ class ClarifierIngress:
         for r in resps:
             self.metrics.observe_answer(r)
         return resps
+
+    @fastapi_app.post("/v1/chat/completions", dependencies=AUTH, responses=CHAT_ERRORS, openapi_extra=CHAT_BODY_DOC,
+                      tags=["OpenAI-compatible"])
+    async def chat_completions(self, request: Request) -> JSONResponse:
+        """OpenAI chat completions in the query-clarification contract: ``messages`` (the conversation, the
+        last one the user's query) and ``documents`` -> ``choices[0].message.content`` =
+        ``{"clarification": "<question>"}`` or ``{"clarification": "CLEAR"}``; Clarifier's own fields
+        (confidence, threshold, grounding, model version) under ``clarifier``."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse(status_code=400, content=error_body(400, "the body is not JSON", code="invalid_json"))
+        try:
+            chat = parse_chat_request(body)
+            req = clarify_request_from_chat(chat.messages, chat.documents)
+        except ChatRequestError as exc:
+            return JSONResponse(status_code=400, content=error_body(400, exc.message, exc.param, exc.code))
+        except ValueError as exc:
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return JSONResponse(status_code=400, content=error_body(400, message, param="messages",
+                                                                    code="invalid_value"))
+        check_limits(req, self.max_history_turns, self.max_chars)
+        resp, refused = await self._answer("clarify", req, 1)
+        if refused is not None:
+            return openai_error(refused)
+        self.metrics.observe_answer(resp)
+        return JSONResponse(chat_completion(resp, self.model_id))
+
+    @fastapi_app.get("/v1/models", dependencies=AUTH, responses={401: ERRORS[401]}, tags=["OpenAI-compatible"])
+    async def models(self) -> dict:
+        """The served model, as OpenAI lists models (``id`` is what chat completions answer with)."""
+        async def _version():
+            return await self.model.version.remote()
+
+        try:
+            version = await asyncio.wait_for(_version(), timeout=self.ready_timeout_s)
+        except Exception:  # listing the model never fails on a replica that is still loading
+            version = None
+        return model_list(self.model_id, version, self.started)
 
     @fastapi_app.get("/metrics", dependencies=AUTH, include_in_schema=False)
     async def metrics(self):

@@ -1,0 +1,1 @@
+"""Clarifier inside other frameworks' pipelines (optional extras; each module imports its framework)."""
