@@ -18,8 +18,10 @@
 4. **Public sets as logs** (``--public-data``: a data-job output, e.g. the recipe benchmark's, whose
    test split the model never trained on): each source's test turns rewritten as OpenAI transcripts
    (history + the turn, its passages as ``documents``), a seeded ``--labelled`` share keeping its gold
-   label; no failure signals exist there, so this measures the corrected share of *all* turns needing
+   label; no failure signals exist there, so this measures the corrected share of turns needing
    clarification against the labelled truth, with the in-domain labels and with the calibration counts.
+   The transcripts' earlier user turns are audited too but have no truth: the comparison is on the
+   examples' own turns (the ``example_turn=query`` segment, with its own corrected interval).
 
 Everything runs on one local Ray (``--cpus``, default all); the model is any Clarifier model URI.
 """
@@ -116,9 +118,14 @@ def memory(model: str, tmp: Path, n: int, seed: int, say) -> dict:
     return out
 
 
+SEGMENT = "example_turn"  # "query": the example's own turn (its label is the truth); "history": an earlier user turn
+
+
 def _as_transcript(ex, labelled: bool) -> dict:
-    msgs = [{"role": t.role, "content": t.text} for t in ex.history if t.role in ("user", "assistant")]
-    last = {"role": "user", "content": ex.query, "documents": [{"doc_id": p.id, "text": p.text} for p in ex.passages]}
+    msgs = [{"role": t.role, "content": t.text, **({"metadata": {SEGMENT: "history"}} if t.role == "user" else {})}
+            for t in ex.history if t.role in ("user", "assistant")]
+    last = {"role": "user", "content": ex.query, "documents": [{"doc_id": p.id, "text": p.text} for p in ex.passages],
+            "metadata": {SEGMENT: "query"}}
     if labelled:
         last["needs_clarification"] = ex.needs_clarification
     return {"id": ex.id.replace(":", "_"), "messages": [*msgs, last], "metadata": {"source": ex.meta.get("source") or
@@ -147,11 +154,17 @@ def public_sets(model: str, tmp: Path, data: str, labelled: float, seed: int, sa
                                           ("calibration", "audit.error_rates=calibration"))):
             s = _audit(logs, tmp / f"audit-public-{src}", model, "audit.sample_questions=0",
                        "audit.signals.reformulation.enabled=false", "audit.min_labelled=10", extra,
-                       f"audit.reuse_scores={str(i > 0).lower()}")
-            t = s["flagged_share"]
+                       f"audit.segments=[{SEGMENT}]", f"audit.reuse_scores={str(i > 0).lower()}")
+            # The transcripts' earlier user turns are audited too (as in real logs) but have no truth:
+            # compare the truth with the share among the examples' own turns (the segment).
+            t = next(r["turns"] for r in s["breakdowns"][f"segment:{SEGMENT}"] if r["value"] == "query")
             ci = t.get("corrected_ci")
-            row[key] = {"raw": t["raw"], "corrected": t.get("corrected"), "corrected_ci": ci,
-                        "covered": bool(ci and ci[0] <= truth <= ci[1]), "error_rates": s["error_rates"]}
+            rates = s["error_rates"] or {}
+            row[key] = {"raw": t["raw"], "corrected": t.get("corrected"), "corrected_ci": ci, "turns": t["n"],
+                        "all_user_turns": s["counts"]["turns"], "covered": bool(ci and ci[0] <= truth <= ci[1]),
+                        "youden_j": (None if rates.get("recall") is None or rates.get("false_positive_rate") is None
+                                     else round(rates["recall"] - rates["false_positive_rate"], 3)),
+                        "estimation_threshold": s["estimation_threshold"], "error_rates": s["error_rates"]}
         out["sources"][src] = row
         say(f"public {src}: true {truth:.3f}, raw {row['with_labels']['raw']:.3f}, corrected (labels) "
             f"{row['with_labels']['corrected']} {row['with_labels']['corrected_ci']}, corrected (calibration) "
