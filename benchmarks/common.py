@@ -65,7 +65,7 @@ def write_result(name: str, data: dict, out: str | Path | None = None) -> Path:
     path = Path(out) if out else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"benchmark": name, "machine": machine_info(), "command": " ".join(sys.argv),
-                                "code": code_version(), **data}, indent=2) + "\n")
+                                "code": CODE_AT_START, **data}, indent=2) + "\n")
     return path
 
 
@@ -130,3 +130,6 @@ class PeakMemory:
         mib = 2**20
         return {"driver_peak_mib": round(self.driver_peak / mib, 1), "workers_peak_mib": round(self.workers_peak / mib, 1),
                 "worker_max_mib": round(self.worker_max / mib, 1)}
+
+
+CODE_AT_START = code_version()  # when the benchmark imported this module, not when it wrote its result
