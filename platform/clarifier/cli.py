@@ -301,10 +301,14 @@ def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
                                                "used as the config, and implies --prepare."),
           prepare: bool = typer.Option(False, "--prepare", help="Run the data job first, unless data.output already holds "
                                        "this data config's output."),
+          evaluate_after: bool = typer.Option(True, "--eval/--no-eval", help="After training, evaluate the model and the "
+                                              "baselines on eval.split of data.output and log the report (Markdown, JSON, "
+                                              "plots) and eval/ metrics to the training run."),
           overrides: Optional[list[str]] = OverridesArg):
     """Ray Train job: LoRA (or full, model.finetune=full) fine-tuning on the joint objective with DeepSpeed, tracked in MLflow.
 
-    Rerunning with the same train.run_name (and storage.root) resumes from the last checkpoint."""
+    Rerunning with the same train.run_name (and storage.root) resumes from the last checkpoint. The trained model
+    is then evaluated on the held-out split (--no-eval skips it); its report is in the run's artifacts under eval/."""
     from clarifier.runtime.cluster import init_ray
     from clarifier.train.trainer import train as run_train
 
@@ -323,7 +327,8 @@ def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
         _say(f"[recipe] {recipe}: {config}")
     cfg = _cfg(config, overrides)
     if submit:
-        _submit(submit, ["train"], cfg, ["--prepare"] if prepare else [], installed_code)
+        _submit(submit, ["train"], cfg, (["--prepare"] if prepare else []) + ([] if evaluate_after else ["--no-eval"]),
+                installed_code)
     init_ray()
     if prepare:
         from clarifier.runtime import storage
@@ -332,7 +337,13 @@ def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
         storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
         prepare_if_needed(cfg, progress=_say)
     res = run_train(cfg, progress=_say)
-    _say(json.dumps({"run_id": res.run_id, "model_dir": res.model_dir, "steps": res.steps, "tracking": res.tracking}))
+    report = None
+    if evaluate_after:
+        from clarifier.evaluation.evaluate import evaluate_training_run
+
+        report = evaluate_training_run(cfg, res.model_dir, res.run_id, progress=_say)
+    _say(json.dumps({"run_id": res.run_id, "model_dir": res.model_dir, "steps": res.steps, "tracking": res.tracking,
+                     "eval_report": report["paths"]["markdown"] if report else None}))
 
 
 @app.command("eval")

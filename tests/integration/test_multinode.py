@@ -186,6 +186,13 @@ def test_data_and_training_jobs_run_across_two_nodes(two_node_cluster, s3_server
     assert run.data.metrics["train/steps"] == 4
     assert run.data.params["train.placement_strategy"] == "STRICT_SPREAD"
     assert "adapter/adapter_model.safetensors" in {f.path for f in ml.list_artifacts(run.info.run_id, "adapter")}
+    # ... and the evaluation every training run ends with: report and plots in the run, eval/ metrics beside train/
+    evals = {f.path for f in ml.list_artifacts(run.info.run_id, "eval")}
+    assert {"eval/report.md", "eval/report.json", "eval/pr_curve.png"} <= evals, evals
+    assert "eval/decision/f1" in run.data.metrics and "eval_baseline/lexical/decision/f1" in run.data.metrics, \
+        sorted(run.data.metrics)
+    assert run.data.tags["eval.data"].endswith("/data#test")
+    assert "[eval] report logged to MLflow run" in out
 
 
 def _role(nodes: dict[str, str], node_id: str) -> str:

@@ -135,3 +135,22 @@ def test_no_scores_means_no_plots(tmp_path, report):
 def test_missing_models_rejected(tmp_path):
     with pytest.raises(ValueError):
         write_report({"n": 3}, tmp_path)
+
+
+def test_training_runs_evaluation_says_why_it_is_skipped(tmp_path):
+    """`clarifier train` ends with evaluate_training_run; without a split to evaluate on it says so, not fails."""
+    import json
+
+    from clarifier.core.config import load_config
+    from clarifier.evaluation.evaluate import evaluate_training_run
+
+    said: list[str] = []
+    cfg = load_config(None, [f"data.output={tmp_path / 'none'}"])
+    assert evaluate_training_run(cfg, "unused", "run", progress=said.append) is None
+    assert "no data-job output" in said[-1] and "none" in said[-1]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps({"counts": {"splits": {"train": {"examples": 5},
+                                                                                      "test": {"examples": 0}}}}))
+    cfg = load_config(None, [f"data.output={tmp_path / 'data'}"])
+    assert evaluate_training_run(cfg, "unused", "run", progress=said.append) is None
+    assert "split 'test'" in said[-1] and "empty" in said[-1]

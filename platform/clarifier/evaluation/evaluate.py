@@ -214,6 +214,27 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     return report
 
 
+def evaluate_training_run(cfg: ClarifierConfig, model_dir: str, run_id: str, *, progress=print) -> dict | None:
+    """The evaluation every training run ends with: ``model_dir`` on ``eval.split`` of ``data.output``,
+    logged to the training run ``run_id`` (metrics ``eval/...``, artifacts ``eval/``: report.md, report.json,
+    plots). Returns the report, or None (said in one line) when the data has no such split to evaluate on."""
+    from clarifier.runtime import storage
+    from clarifier.data.outputs import read_manifest
+
+    data = cfg.data.output
+    if not data or not storage.exists(storage.join(data, "manifest.json")):
+        progress(f"[eval] skipped: no data-job output at data.output={data!r} to evaluate on")
+        return None
+    splits = read_manifest(data).get("counts", {}).get("splits", {})
+    if not splits.get(cfg.eval.split, {}).get("examples"):
+        progress(f"[eval] skipped: split {cfg.eval.split!r} of {data} is empty (set eval.split to another split)")
+        return None
+    report = evaluate(cfg, model_dir, data, run_id=run_id, progress=progress)
+    progress(f"[eval] report logged to MLflow run {run_id} (artifacts eval/report.md and plots); "
+             f"local copy {report['paths']['markdown']}")
+    return report
+
+
 def _model_predictions(cfg: ClarifierConfig, spec: dict, resolved, examples: list[Example], progress, bar) -> list:
     """A trained model's predictions: loaded in this process (``eval.engine=local``), else by the actors."""
     from clarifier.engine.loading import load_engine
