@@ -6,6 +6,7 @@ Inside ``ray job submit`` (``RAY_ADDRESS`` set) the stages join that cluster.
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import sys
@@ -45,11 +46,14 @@ OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. train.max_steps
 
 
 class _Lines:
-    """Clarifier's own lines. Repeated progress lines (``[train] step k/N ...``, one per optimizer step)
+    """Clarifier's own lines. Repeated progress lines (``[train] step k/N ...``, one per optimizer step;
+    ``[eval] model: k/N``, one per few batches)
     become one live line on a terminal; elsewhere (CI, a job's log) one is printed per ``every_s``,
     plus the last one, so a long run stays readable."""
 
-    STEP = re.compile(r"^\[(train|encoder)\] step (\d+)(?:/(\d+))?[: ]")
+    # progress lines: "[train] step 7/40: ...", "[encoder] step 7 ...", "[eval] model: 32/120"
+    STEPS = (re.compile(r"^\[(?:train|encoder)\] step (\d+)(?:/(\d+))?[: ]"),
+             re.compile(r"^\[eval\] [\w.-]+: (\d+)/(\d+)$"))
 
     def __init__(self, every_s: float = 60.0):
         self.every_s = every_s
@@ -60,14 +64,14 @@ class _Lines:
 
     def __call__(self, msg: str) -> None:
         with self.lock:
-            m = self.STEP.match(msg)
+            m = next((m for p in self.STEPS if (m := p.match(msg))), None)
             if m:
                 return self._step(msg, m)
             self._end_steps()
             console.print(msg, markup=False)
 
     def _step(self, msg: str, m) -> None:
-        final = m.group(3) is not None and m.group(2) == m.group(3)
+        final = m.group(2) is not None and m.group(1) == m.group(2)
         if console.is_terminal:
             if self.status is None:
                 self.status = console.status(msg)
@@ -599,9 +603,13 @@ def recipe_benchmark(plan: str = typer.Argument(..., help="Plan name (clarifier/
 def serve(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """Start the Ray Serve application locally (blocks; Ctrl-C stops it)."""
     from clarifier.runtime.cluster import init_ray
+    from clarifier.runtime.services import port_busy
     from clarifier.serving.app import run_local
 
     cfg = _cfg(config, overrides)
+    if port_busy(cfg.serve.host, cfg.serve.port):  # else Serve's proxy retries the bind while /readyz reaches the other one
+        raise OSError(errno.EADDRINUSE, f"port {cfg.serve.port} on {cfg.serve.host} is taken by another process "
+                                        f"(an earlier `clarifier serve`?): address already in use")
     init_ray()
     url = run_local(cfg.serve, tracking_uri=cfg.tracking.tracking_uri, blocking=True, say=_say)
     _say(f"served at {url}")
@@ -609,6 +617,7 @@ def serve(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = O
 
 # What to do about the errors a new user meets most; the message of the exception says the rest.
 HINTS = {
+    "TrackingServerUnreachable": "start the MLflow server, or fix tracking.tracking_uri / $MLFLOW_TRACKING_URI",
     "ModelResolutionError": "check the model URI (a folder, models:/name@alias, runs:/<id>/adapter, s3://, builtin:<name>)",
     "ConnectionError": "is the server at that address running and reachable (MLflow tracking URI, S3 endpoint, Ray dashboard)?",
     "MlflowException": "check tracking.tracking_uri / $MLFLOW_TRACKING_URI and that the MLflow server is up",
@@ -620,14 +629,14 @@ HINTS = {
 
 
 def _hint(exc: BaseException) -> str:
+    text = str(exc)
+    if "address already in use" in text.lower():  # an OSError, more precise than OSError's hint
+        return "stop the process that holds the port, or pick another (serve.port=<n>; quickstart: --port)"
+    if "NoSuchBucket" in text or re.search(r"bucket .{0,80}(does not exist|not found)", text, re.I):
+        return HINTS["NoSuchBucket"]
     for cls in type(exc).__mro__:
         if cls.__name__ in HINTS:
             return HINTS[cls.__name__]
-    text = str(exc)
-    if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
-        return HINTS["NoSuchBucket"]
-    if "address already in use" in text.lower():
-        return "another process holds that port: stop it, or pick another (--port / serve.port)"
     return "rerun with -v for the full logs and traceback"
 
 

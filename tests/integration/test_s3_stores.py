@@ -85,3 +85,17 @@ def test_dataset_ref_read_from_an_s3_mirror_and_verified(s3_bucket, tmp_path, mo
     boto3.client("s3").delete_object(Bucket=s3_bucket, Key="public/clariq/train.tsv")
     with pytest.raises(DatasetNotFound, match=r"mirror s3://.*/public/clariq: train.tsv missing; download cache"):
         run("in3")
+
+
+def test_a_missing_bucket_is_named_with_the_endpoint(s3_bucket):
+    """A mistyped bucket says so (and where it looked), not only that the path does not exist."""
+    from clarifier.cli import _hint
+    from clarifier.runtime import storage
+
+    with pytest.raises(FileNotFoundError) as info:
+        storage.list_files(f"s3://{s3_bucket}-typo/logs")
+    assert f"bucket '{s3_bucket}-typo' does not exist at {storage.s3_endpoint()}" in str(info.value)
+    assert "create the bucket" in _hint(info.value)
+    with pytest.raises(FileNotFoundError) as info:  # the bucket is there, the prefix is not
+        storage.list_files(f"s3://{s3_bucket}/no/such/prefix")
+    assert "bucket" not in str(info.value)

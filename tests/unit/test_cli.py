@@ -106,3 +106,23 @@ def test_quickstart_says_by_how_much_the_model_beats_each_baseline():
     lost = verdict_lines({"decision_f1": {"model": 0.7, "lexical": 0.8}, "over_asking_rate": {"model": 0.1, "lexical": 0.3}})
     assert lost == [("note: on decision F1 the trained model did NOT beat lexical (-0.100): 0.700 vs 0.800, "
                      "over-asking 0.100 vs 0.300", False)]
+
+
+def test_serve_on_a_taken_port_names_it_before_starting_ray(monkeypatch, capsys):
+    """Without the check, Serve's proxy keeps retrying the bind and /readyz can reach the other process."""
+    import socket
+
+    from clarifier.cli import main
+
+    monkeypatch.setenv("CLARIFIER_VERBOSE", "1")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = main(["serve", f"serve.port={port}", "serve.model_uri=/nope"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"port {port} on 127.0.0.1 is taken" in err and "serve.port=<n>" in err
+    import ray
+
+    assert not ray.is_initialized()

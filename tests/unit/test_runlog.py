@@ -108,3 +108,15 @@ def test_step_lines_are_thinned_when_not_on_a_terminal(capsys):
     assert lines == ["[train] starting", "[train] step 1/200 loss 0.5 lr 1e-4 300 tok/s eta 10s",
                      "[train] step 100/200 loss 0.5 lr 1e-4 300 tok/s eta 10s", "[train] done: 100 steps",
                      "[encoder] step 10: loss 0.3", "[train] step 200/200 loss 0.1 lr 1e-4 300 tok/s eta 0s"]
+
+
+def test_eval_progress_lines_are_thinned_too_and_each_rows_last_one_stays(capsys):
+    from clarifier.cli import _Lines
+
+    say = _Lines(every_s=3600)
+    for name in ("model", "base_model"):
+        for k in range(32, 129, 32):
+            say(f"[eval] {name}: {k}/128")
+    say("[eval] report written")
+    assert capsys.readouterr().out.splitlines() == [
+        "[eval] model: 32/128", "[eval] model: 128/128", "[eval] base_model: 128/128", "[eval] report written"]

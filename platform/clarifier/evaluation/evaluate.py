@@ -274,7 +274,10 @@ def _flat_metrics(prefix: str, d: dict) -> dict[str, float]:
 def _log_to_mlflow(run_id: str, report: dict, out: Path, tracking_uri: str | None) -> None:
     import mlflow
 
+    from clarifier.runtime.mlflow_uri import check_reachable
+
     if tracking_uri:
+        check_reachable(tracking_uri)
         mlflow.set_tracking_uri(tracking_uri)
     with mlflow.start_run(run_id=run_id):
         metrics = {}

@@ -35,7 +35,7 @@ from typing import Callable
 
 from clarifier.core.config import ClarifierConfig, GateConfig
 from clarifier.registry.audit import AuditLog, alias_history, current_user, default_location, utc_now
-from clarifier.registry.registry import eval_set_tags, key_metrics, logged_eval_sets
+from clarifier.registry.registry import _client, _not_found, eval_set_tags, key_metrics, logged_eval_sets
 from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
 
 TAG_LIMIT = 5000  # characters of JSON evidence kept in a tag (MLflow caps tag values)
@@ -132,12 +132,6 @@ def gate_decision(challenger: dict, champion: dict | None, gate: GateConfig) -> 
 # ---- the registry side ---------------------------------------------------------------------------
 
 
-def _client(tracking_uri: str | None):
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=tracking_uri)
-
-
 def audit_log_for(cfg: ClarifierConfig) -> AuditLog:
     return AuditLog(cfg.registry.audit_log or default_location(cfg.storage.root))
 
@@ -147,7 +141,9 @@ def _version_by_alias(client, name: str, alias: str):
 
     try:
         return client.get_model_version_by_alias(name, alias)
-    except MlflowException:
+    except MlflowException as exc:
+        if not _not_found(exc):  # an outage is not "no champion yet"
+            raise
         return None
 
 
@@ -157,6 +153,8 @@ def _get_version(client, name: str, version: str):
     try:
         return client.get_model_version(name, str(version))
     except MlflowException as exc:
+        if not _not_found(exc):
+            raise
         raise PromotionError(f"model {name!r} has no version {version} ({exc.message if hasattr(exc, 'message') else exc})") from None
 
 

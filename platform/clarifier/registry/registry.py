@@ -18,7 +18,16 @@ from clarifier.engine.models import ModelResolutionError
 def _client(tracking_uri: str | None = None):
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri)
+    from clarifier.runtime.mlflow_uri import check_reachable, tracking_uri as resolve
+
+    uri = resolve(tracking_uri)
+    check_reachable(uri)  # seconds, not MLflow's four minutes of retries, when the server is down
+    return MlflowClient(tracking_uri=uri)
+
+
+def _not_found(exc) -> bool:
+    """An MlflowException that means "no such model/version/alias" (not an outage or a refusal)."""
+    return getattr(exc, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")
 
 
 # Metrics kept as model-version tags (``eval.<key>``) and compared by the promotion gate / diff:
@@ -188,7 +197,9 @@ def register_adapter(run_id: str, name: str, *, artifact_path: str = "adapter", 
     client = _client(tracking_uri)
     try:
         client.get_registered_model(name)
-    except MlflowException:
+    except MlflowException as exc:
+        if not _not_found(exc):
+            raise
         client.create_registered_model(name, description="Clarifier query-clarification models (PEFT LoRA adapters or fully fine-tuned weights).")
     run = client.get_run(run_id)
     source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
@@ -265,7 +276,9 @@ def list_versions(name: str, tracking_uri: str | None = None) -> list[dict]:
     client = _client(tracking_uri)
     try:
         rm = client.get_registered_model(name)
-    except MlflowException:
+    except MlflowException as exc:
+        if not _not_found(exc):
+            raise
         raise RegistryError(f"no registered model {name!r}") from None
     aliases: dict[str, list[str]] = {}
     for a, v in (rm.aliases or {}).items():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from clarifier.runtime.retry import RetryPolicy
+
 
 def tracking_uri(setting: str | None = None) -> str:
     """The tracking URI every process of a stage uses (see the module docstring)."""
@@ -33,3 +35,41 @@ def absolute_tracking_uri(uri: str, cwd: str | Path | None = None) -> str:
         path = uri[len("file:"):] if uri.startswith("file:") else uri
         return str(path if Path(path).is_absolute() else base / path)
     return uri
+
+
+class TrackingServerUnreachable(ConnectionError):
+    """The MLflow tracking server named by the tracking URI does not answer (the message names it)."""
+
+
+_REACHABLE: set[str] = set()
+PROBE_POLICY = RetryPolicy(attempts=3, min_s=1.0)  # waits 1 s, 2 s
+
+
+def check_reachable(uri: str, *, timeout_s: float = 5.0, policy=None) -> None:
+    """Fail fast, naming the server, when an ``http(s)://`` tracking server does not answer.
+
+    MLflow's own client retries a refused connection for about four minutes (7 retries, backoff 2)
+    before it raises, and some callers read its error as "not found"; this asks ``<uri>/health``
+    (a few tries, ~3 s) first. Any HTTP answer counts as reachable (an auth proxy's 401 too); only
+    a connection that fails or times out does not. Other stores (sqlite, files, Databricks) pass.
+    Checked once per process and URI."""
+    import urllib.error
+    import urllib.request
+
+    if not uri.startswith(("http://", "https://")) or uri in _REACHABLE:
+        return
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+        except urllib.error.HTTPError:  # the server answered
+            pass
+
+    try:
+        (policy or PROBE_POLICY).call(probe, on=(OSError,))
+    except OSError as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise TrackingServerUnreachable(
+            f"MLflow tracking server {uri} is not reachable ({reason}): start it, or point tracking.tracking_uri / "
+            f"$MLFLOW_TRACKING_URI at a running server (unset both for a local sqlite store)") from None
+    _REACHABLE.add(uri)

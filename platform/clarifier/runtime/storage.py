@@ -118,12 +118,22 @@ def list_files(uri: str, suffixes: tuple[str, ...] = ()) -> list[str]:
     if info.type == pafs.FileType.File:
         infos = [info]
     elif info.type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"{uri} does not exist")
+        raise FileNotFoundError(f"{uri} does not exist" + _missing_bucket(fs, uri))
     else:
         infos = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True)) if i.type == pafs.FileType.File]
     prefix = "s3://" if is_s3(uri) else ""
     out = [prefix + i.path for i in infos if not suffixes or i.path.endswith(suffixes)]
     return sorted(out)
+
+
+def _missing_bucket(fs, uri: str) -> str:
+    """Why an ``s3://`` path is missing, when the reason is its bucket (else "")."""
+    if not is_s3(uri):
+        return ""
+    bucket = urlparse(uri).netloc
+    if fs.get_file_info(bucket).type != pafs.FileType.NotFound:
+        return ""
+    return f": bucket {bucket!r} does not exist at {s3_endpoint() or 'AWS S3'} (create it, or fix the URI / storage.s3_endpoint_url)"
 
 
 def download_prefix(uri: str, dest: str | Path) -> int:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from clarifier.runtime import storage
-from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
+from clarifier.runtime.mlflow_uri import check_reachable, tracking_uri as resolve_tracking_uri
 from clarifier.core.config import ClarifierConfig, TrainConfig, flatten
 from clarifier.engine.inference import META_FILE, read_meta
 from clarifier.core.objective import PIPELINE_PARTS
@@ -88,11 +88,12 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
                          f"{have:g}; training would wait forever. Lower train.cpus_per_worker or add CPUs.")
 
     check_placement(t, ray.nodes())
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    check_reachable(tracking_uri)  # before any model conversion or worker start
 
     # Convert/download the base model once on the driver's node so workers find it cached.
     resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
 
-    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment(t.experiment)
     run_id, resumed = _mlflow_run(cfg, manifest, data_root, decision)
