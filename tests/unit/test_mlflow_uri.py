@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import http.server
 import io
-import socket
 import threading
 
 import pytest
@@ -13,17 +12,12 @@ import pytest
 from clarifier.runtime import mlflow_uri
 from clarifier.runtime.mlflow_uri import TrackingServerUnreachable, check_reachable
 from clarifier.runtime.retry import RetryPolicy
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from clarifier.runtime.services import free_port
 
 
 def test_a_refused_server_is_named_after_the_policys_tries():
     waits: list[float] = []
-    uri = f"http://127.0.0.1:{_free_port()}"
+    uri = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(TrackingServerUnreachable) as info:
         check_reachable(uri, policy=RetryPolicy(attempts=3, min_s=1.0, sleep=waits.append))
     assert uri in str(info.value) and "MLFLOW_TRACKING_URI" in str(info.value)
@@ -54,7 +48,7 @@ def test_any_http_answer_is_reachable_and_other_stores_are_not_probed(monkeypatc
 def test_models_list_against_a_down_server_says_so_not_no_model(monkeypatch):
     from clarifier.cli import main
 
-    uri = f"http://127.0.0.1:{_free_port()}"
+    uri = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("CLARIFIER_VERBOSE", "1")
     monkeypatch.setattr(mlflow_uri, "PROBE_POLICY", RetryPolicy(attempts=1))

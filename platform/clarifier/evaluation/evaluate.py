@@ -218,14 +218,16 @@ def evaluate_training_run(cfg: ClarifierConfig, model_dir: str, run_id: str, *, 
     """The evaluation every training run ends with: ``model_dir`` on ``eval.split`` of ``data.output``,
     logged to the training run ``run_id`` (metrics ``eval/...``, artifacts ``eval/``: report.md, report.json,
     plots). Returns the report, or None (said in one line) when the data has no such split to evaluate on."""
-    from clarifier.runtime import storage
     from clarifier.data.outputs import read_manifest
 
     data = cfg.data.output
-    if not data or not storage.exists(storage.join(data, "manifest.json")):
+    try:
+        splits = read_manifest(data).get("counts", {}).get("splits", {}) if data else None
+    except FileNotFoundError:
+        splits = None
+    if splits is None:
         progress(f"[eval] skipped: no data-job output at data.output={data!r} to evaluate on")
         return None
-    splits = read_manifest(data).get("counts", {}).get("splits", {})
     if not splits.get(cfg.eval.split, {}).get("examples"):
         progress(f"[eval] skipped: split {cfg.eval.split!r} of {data} is empty (set eval.split to another split)")
         return None
