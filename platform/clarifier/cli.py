@@ -58,7 +58,9 @@ class _Lines:
     def __init__(self, every_s: float = 60.0):
         self.every_s = every_s
         self.status = None
-        self.last_printed = 0.0
+        # None, not 0.0: time.monotonic() counts from boot, and on a machine up for less than every_s a
+        # 0.0 would hold back the first progress line
+        self.last_printed: float | None = None
         self.pending: str | None = None
         self.lock = threading.Lock()
 
@@ -82,7 +84,7 @@ class _Lines:
                 self._end_steps()
             return
         now = time.monotonic()
-        if final or now - self.last_printed >= self.every_s:
+        if final or self.last_printed is None or now - self.last_printed >= self.every_s:
             console.print(msg, markup=False)
             self.last_printed, self.pending = now, None
         else:
@@ -95,7 +97,7 @@ class _Lines:
         if self.pending is not None:  # the last step line stays visible
             console.print(self.pending, markup=False)
             self.pending = None
-            self.last_printed = 0.0
+            self.last_printed = None
 
 
 _say = _Lines()

@@ -93,9 +93,19 @@ def test_machine_readable_output_stays_on_stdout_and_empty_logs_are_removed(tmp_
     assert usage.returncode == 2 and "No such command 'evall'" in usage.stderr and "Traceback" not in usage.stderr
 
 
-def test_step_lines_are_thinned_when_not_on_a_terminal(capsys):
+def _booted_seconds_ago(monkeypatch, seconds: float = 5.0) -> None:
+    """time.monotonic() counts from boot: a fresh CI machine or pod is up for less than every_s."""
+    import types
+
+    from clarifier import cli
+
+    monkeypatch.setattr(cli, "time", types.SimpleNamespace(monotonic=lambda: seconds))
+
+
+def test_step_lines_are_thinned_when_not_on_a_terminal(capsys, monkeypatch):
     from clarifier.cli import _Lines
 
+    _booted_seconds_ago(monkeypatch)
     say = _Lines(every_s=3600)
     say("[train] starting")
     for k in range(1, 101):
@@ -110,9 +120,10 @@ def test_step_lines_are_thinned_when_not_on_a_terminal(capsys):
                      "[encoder] step 10: loss 0.3", "[train] step 200/200 loss 0.1 lr 1e-4 300 tok/s eta 0s"]
 
 
-def test_eval_progress_lines_are_thinned_too_and_each_rows_last_one_stays(capsys):
+def test_eval_progress_lines_are_thinned_too_and_each_rows_last_one_stays(capsys, monkeypatch):
     from clarifier.cli import _Lines
 
+    _booted_seconds_ago(monkeypatch)
     say = _Lines(every_s=3600)
     for name in ("model", "base_model"):
         for k in range(32, 129, 32):
