@@ -95,6 +95,14 @@ def ray_local(request, s3_server, mlflow_server):
         yield ray
 
 
+@pytest.fixture(scope="module")
+def port() -> int:
+    """One HTTP port for a module's Serve deployments: Serve keeps the port it was first started with."""
+    from clarifier.runtime.services import free_port
+
+    return free_port()
+
+
 @pytest.fixture
 def ray_own():
     """A local Ray instance of this test's own (3 logical CPUs), for tests that run their own

@@ -437,6 +437,10 @@ def models_promote(name: str = typer.Argument(..., help="Registered model name."
                    version: Optional[str] = typer.Option(None, help="Challenger version (instead of --from)."),
                    data: Optional[str] = typer.Option(None, help="Evaluation set (JSONL or data-job folder) to evaluate "
                                                             "both versions on; default: their logged metrics on a common set."),
+                   shadow_log: Optional[str] = typer.Option(
+                       None, "--shadow-log", help="Request log (folder or s3:// prefix) of a deployment that ran the "
+                                                  "challenger as its shadow model: adds the registry.gate.shadow_* "
+                                                  "criteria on live traffic."),
                    config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """Promotion gate: move alias --to to the challenger only if every registry.gate criterion holds (audited).
 
@@ -446,7 +450,8 @@ def models_promote(name: str = typer.Argument(..., help="Registered model name."
 
     cfg = _cfg(config, overrides)
     try:
-        d = promote(cfg, name, to_alias=to, from_alias=from_alias, version=version, data=data, progress=_say)
+        d = promote(cfg, name, to_alias=to, from_alias=from_alias, version=version, data=data,
+                    shadow_log=shadow_log, progress=_say)
     except PromotionError as exc:
         err_console.print(f"[red]promotion error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)

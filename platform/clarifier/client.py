@@ -119,9 +119,13 @@ class ClarifierClient:
     # ---- API ----------------------------------------------------------------------------------
 
     def clarify(self, history: Iterable[Turn | Mapping[str, Any]], query: str,
-                passages: Iterable[Passage | Mapping[str, Any]] = ()) -> ClarifyResponse:
-        """``POST /v1/clarify``; raises ClarifierAPIError (e.g. 413, 422) with the server's detail."""
+                passages: Iterable[Passage | Mapping[str, Any]] = (),
+                conversation_id: str | None = None) -> ClarifyResponse:
+        """``POST /v1/clarify``; raises ClarifierAPIError (e.g. 413, 422) with the server's detail.
+        ``conversation_id`` groups a conversation's requests in the server's request log."""
         body = {"history": [_dump(t) for t in history], "query": query, "passages": [_dump(p) for p in passages]}
+        if conversation_id is not None:
+            body["conversation_id"] = conversation_id
         resp = self._request("POST", "/v1/clarify", json=body)
         if resp.status_code != 200:
             raise ClarifierAPIError(resp.status_code, _detail(resp))

@@ -25,27 +25,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.reliability]
 @pytest.fixture
 def own_s3(monkeypatch):
     """A moto S3 server of this test's own, which the test can stop and restart on the same port."""
-    from moto.server import ThreadedMotoServer
+    from support.s3 import RestartableS3
 
-    from clarifier.runtime.services import free_port
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
-                 "AWS_ENDPOINT_URL": url, "AWS_ENDPOINT_URL_S3": url, "CLARIFIER_S3_MAX_ATTEMPTS": "3"}.items():
+    s3 = RestartableS3()
+    for k, v in s3.env(CLARIFIER_S3_MAX_ATTEMPTS="3").items():
         monkeypatch.setenv(k, v)
-    state = {"server": ThreadedMotoServer(ip_address="127.0.0.1", port=port)}
-    state["server"].start()
-
-    def stop():
-        state["server"].stop()
-
-    def start():
-        state["server"] = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-        state["server"].start()
-
-    yield {"url": url, "stop": stop, "start": start}
-    state["server"].stop()
+    yield {"url": s3.url, "stop": s3.stop, "start": s3.start}
+    s3.stop()
 
 
 def _rows(uri: str, split: str) -> list[dict]:

@@ -53,12 +53,6 @@ def ray_serve():
 
 
 @pytest.fixture(scope="module")
-def port() -> int:
-    """One HTTP port for the module: Serve keeps the port it was first started with."""
-    return free_port()
-
-
-@pytest.fixture(scope="module")
 def generating_adapter(tiny_model_dir, tmp_path_factory) -> Path:
     """Threshold 0: every request takes the generation path (tens of ms on the tiny model)."""
     from support.adapters import untrained_adapter

@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from clarifier.core.config import ServeConfig
-from clarifier.runtime.services import free_port
 from support.adapters import untrained_adapter
 
 pytestmark = pytest.mark.integration
@@ -56,12 +55,6 @@ def ray_serve(tmp_path_factory):
         mp.setenv("CLARIFIER_CACHE", str(tmp_path_factory.mktemp("cache")))  # forwarded to the replicas
         with start_ray(4):
             yield
-
-
-@pytest.fixture(scope="module")
-def port() -> int:
-    """One HTTP port for the module: Serve keeps the port it was first started with."""
-    return free_port()
 
 
 @pytest.mark.timeout(420)

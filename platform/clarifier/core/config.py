@@ -22,6 +22,16 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key and, when known, the file."""
 
 
+def _regexes(v: list[str]) -> list[str]:
+    """A field validator: every entry compiles as a regular expression (the error names the first that does not)."""
+    for i, pat in enumerate(v):
+        try:
+            re.compile(pat)
+        except re.error as exc:
+            raise ValueError(f"pattern [{i}] {pat!r} is not a valid regex: {exc}") from None
+    return v
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -94,15 +104,7 @@ class LabellingConfig(_Strict):
     extra_stopwords: list[str] = Field(default_factory=list, description="Added to the built-in stopword list.")
     max_grounding_turns: int | None = Field(None, ge=1, description="Keep at most this many (most recent) grounding turns.")
 
-    @field_validator("patterns", "exclude_patterns")
-    @classmethod
-    def _compiles(cls, v: list[str]) -> list[str]:
-        for i, pat in enumerate(v):
-            try:
-                re.compile(pat)
-            except re.error as exc:
-                raise ValueError(f"pattern [{i}] {pat!r} is not a valid regex: {exc}") from None
-        return v
+    _compiles = field_validator("patterns", "exclude_patterns")(_regexes)
 
 
 DATASET_REF = "dataset:"  # src: dataset:<name> names a registered public dataset (clarifier.data.datasets)
@@ -136,6 +138,16 @@ class SourceConfig(_Strict):
         return self.src[len(DATASET_REF):].strip() if self.src.startswith(DATASET_REF) else None
 
 
+class DataRequestLogConfig(_Strict):
+    """``data.request_log``: data.input is a serving request log (serve.request_log); the job first puts each
+    conversation back together and labels its served turns by what happened next (clarifier.data.served_logs)."""
+
+    enabled: bool = Field(False, description="Read data.input as a request log (records with meta.request_log).")
+    min_reformulation_overlap: float = Field(
+        0.5, gt=0, le=1, description="Content-word overlap (Jaccard) of the user's next message with the query at or "
+                                     "above which it is a reformulation (a missed clarification).")
+
+
 class DataConfig(_Strict):
     input: str = Field("", description="Folder, file or s3:// prefix of conversation logs / examples.")
     mirror: str | None = Field(
@@ -159,6 +171,7 @@ class DataConfig(_Strict):
     silver_grounding: SilverGroundingConfig = SilverGroundingConfig()
     packing: PackingConfig = PackingConfig()
     labelling: LabellingConfig = LabellingConfig()
+    request_log: DataRequestLogConfig = DataRequestLogConfig()
     sources: list[SourceConfig] = Field(
         default_factory=list,
         description="Datasets imported into data.input (which the data job then owns) before the job runs; empty = read data.input as it is.")
@@ -190,6 +203,10 @@ class ModelConfig(_Strict):
         "lora", description="lora: train a PEFT LoRA adapter (model.lora) on the frozen base; full: train every "
                             "weight of the base (the model folder then holds full safetensors weights).")
     lora: LoraConfig = Field(LoraConfig(), description="The adapter, with model.finetune=lora (ignored with full).")
+    init_from: str | None = Field(
+        None, description="Start from this Clarifier LoRA model's adapter weights (models:/name@alias, models:/name/3, "
+                          "runs:/..., s3:// or a folder; e.g. this week's champion) instead of a fresh adapter; its "
+                          "LoRA shape replaces model.lora. It must be a LoRA model on the same base model.")
     max_prompt_tokens: int = PromptOptions.max_prompt_tokens
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Numeric precision of training, calibration and evaluation: auto = bf16 where the device "
@@ -307,6 +324,15 @@ class GateConfig(_Strict):
     min_f1: float | None = Field(None, ge=0, le=1, description="Absolute floor on the challenger's decision F1.")
     max_over_asking: float | None = Field(0.35, ge=0, le=1, description="Absolute ceiling on the challenger's over-asking rate.")
     min_validity: float | None = Field(0.95, ge=0, le=1, description="Absolute floor on the share of outputs that parse.")
+    # Live evidence (`clarifier models promote --shadow-log <request log>`): the challenger served as the shadow.
+    shadow_max_flag_increase: float | None = Field(
+        0.05, ge=0, le=1, description="With --shadow-log: the challenger's share of live turns flagged as needing "
+                                      "clarification <= the champion's + this (over-asking shows up here first).")
+    shadow_min_clear_agreement: float | None = Field(
+        0.9, ge=0, le=1, description="With --shadow-log: of the live turns the champion judged clear, the share the "
+                                     "challenger also judged clear.")
+    shadow_min_requests: int = Field(50, ge=1, description="With --shadow-log: fewer shadowed requests than this "
+                                                           "fail the shadow criteria (too little live evidence).")
 
 
 class RegistryConfig(_Strict):
@@ -337,6 +363,32 @@ class ServeAutoscalingConfig(_Strict):
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError(f"initial_replicas ({self.initial_replicas}) outside [min_replicas, max_replicas]")
         return self
+
+
+REQUEST_LOG_OMITTABLE = ("history", "passages", "passages.text")
+
+
+class RequestLogConfig(_Strict):
+    """``serve.request_log``: every answered request, as a conversation-log record, in rotated JSONL shards
+    written off the request path (clarifier.serving.request_log)."""
+
+    uri: str | None = Field(None, description="Local folder or s3:// prefix of the request log; null = off.")
+    shard_records: int = Field(500, ge=1, description="A shard is written once it holds this many records...")
+    shard_age_s: float = Field(30, gt=0, description="...or once its first record is this many seconds old.")
+    max_buffered: int = Field(
+        20_000, ge=1, description="Records held in memory (open shard + shards the store has not taken yet); beyond, "
+                                  "new records are dropped and counted (metric, log line), requests are still answered.")
+    compress: bool = Field(True, description="gzip the shards (.jsonl.gz); false = .jsonl.")
+    redact: list[str] = Field(
+        default_factory=list, description="Regular expressions replaced by [redacted] in every text (history, query, "
+                                          "passages, question) before it is written, e.g. e-mail addresses.")
+    omit: list[Literal[REQUEST_LOG_OMITTABLE]] = Field(  # type: ignore[valid-type]
+        default_factory=list, description="Parts of the request never written: history (only the query is kept), "
+                                          "passages, or passages.text (ids kept).")
+    flush_timeout_s: float = Field(
+        10, gt=0, description="On shutdown, how long the last shards may take to write (Serve gives a replica 20 s).")
+
+    _compiles = field_validator("redact")(_regexes)
 
 
 class ServeConfig(_Strict):
@@ -371,6 +423,16 @@ class ServeConfig(_Strict):
         None, description="File with API keys, one per line (# comments); also $CLARIFIER_API_KEYS (comma separated).")
     model_refresh_s: float = Field(
         30, ge=0, description="Poll a models:/name@alias URI this often and hot-switch on change; 0 = never.")
+    request_log: RequestLogConfig = RequestLogConfig()
+    shadow_model_uri: str | None = Field(
+        None, description="A challenger (e.g. models:/clarifier@challenger) that also scores live requests, off the "
+                          "response path: its answers are logged beside the champion's (request log meta.shadow) and "
+                          "counted (clarifier_shadow_total), never returned; null = no shadow.")
+    shadow_share: float = Field(1.0, ge=0, le=1, description="Share of answered requests the shadow also scores.")
+    shadow_max_inflight: int = Field(
+        16, ge=1, description="Shadow calls waiting at once per ingress replica; beyond, a request is not shadowed "
+                              "(counted as skipped), so a slow shadow never builds a backlog.")
+    shadow_timeout_s: float = Field(30, gt=0, description="A shadow answer later than this is counted as failed.")
 
 
 class FeedbackSignalConfig(_Strict):

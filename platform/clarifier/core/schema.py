@@ -199,6 +199,10 @@ class ClarifyRequest(BaseModel):
     # The document says what the validator enforces: at least one non-whitespace character.
     query: str = Field(min_length=1, json_schema_extra={"pattern": r"\S"})
     passages: list[Passage] = Field(default_factory=list)
+    conversation_id: str | None = Field(
+        None, min_length=1, max_length=256,
+        description="The client's id of the conversation (optional): the request log (serve.request_log) groups "
+                    "a conversation's requests by it; it does not change the answer.")
 
     _query_not_blank = field_validator("query")(_not_blank_query)
 

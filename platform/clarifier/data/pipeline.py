@@ -69,8 +69,54 @@ def _clean_output(output: str, split_names) -> None:
     if storage.exists(storage.join(output, MANIFEST)):
         storage.delete_dir(output)
         return
-    for sub in [*split_names, QUARANTINE_DIR, FILTERED_DIR, PACKED_DIR]:
+    for sub in [*split_names, QUARANTINE_DIR, FILTERED_DIR, PACKED_DIR, REQUEST_LOG_DIR]:
         storage.delete_dir(storage.join(output, sub))
+
+
+REQUEST_LOG_DIR = "request_log_examples"  # data.request_log: the labelled examples the job then reads
+
+
+def _assemble_request_log(ray, d, progress: Callable[[str], None]) -> tuple[str, dict]:
+    """data.request_log: the request log under ``d.input`` -> labelled examples (JSONL) under
+    ``<output>/request_log_examples/`` (clarifier.data.served_logs); returns that folder and the counts."""
+    from clarifier.data.served_logs import RULES, SKIP_REASONS
+    from clarifier.data.stages import label_request_conversation, read_request_records, write_labelled_shard
+
+    files = storage.list_files(d.input, (".jsonl", ".jsonl.gz"))
+    if not files:
+        raise FileNotFoundError(f"no .jsonl/.jsonl.gz request-log shards under {d.input}")
+    folder = storage.join(d.output, REQUEST_LOG_DIR)
+    storage.delete_dir(folder)
+    progress(f"[data] request log: {len(files)} shard(s) under {d.input}; putting conversations back together")
+    fs, _ = storage.filesystem(d.input)
+    out_fs, out_path = storage.filesystem(folder)
+    records = ray.data.from_items([{"path": storage.filesystem(f)[1]} for f in files],
+                                  override_num_blocks=min(len(files), 200)).map_batches(
+        read_request_records, batch_size=1, batch_format="pyarrow",
+        fn_kwargs={"filesystem": fs, "scheme": "s3://" if storage.is_s3(d.input) else ""})
+    counted = records.groupby("conversation_id").map_groups(
+        label_request_conversation, batch_format="pyarrow",
+        fn_kwargs={"labelling": d.labelling.model_dump(), "min_overlap": d.request_log.min_reformulation_overlap},
+    ).map_batches(write_labelled_shard, batch_size=4096, batch_format="pyarrow",
+                  fn_kwargs={"filesystem": out_fs, "folder": out_path}).take_all()
+    total: dict[tuple[str, str], int] = {}
+    for r in counted:
+        total[(r["kind"], r["payload"])] = total.get((r["kind"], r["payload"]), 0) + int(r["n"])
+    summary = {
+        "input": d.input, "shards": len(files), "conversations": total.get(("conversation", ""), 0),
+        "examples": total.get(("example", ""), 0), "not_request_records": total.get(("unreadable", ""), 0),
+        "labels_by_rule": {k: total.get(("rule", k), 0) for k in RULES},
+        "skipped_by_reason": {k: v for (kind, k), v in sorted(total.items()) if kind == "skip"},
+        "rules": RULES, "skip_reasons": SKIP_REASONS, "examples_at": folder,
+    }
+    if not summary["conversations"]:
+        raise ValueError(f"data.request_log.enabled, but no record under {d.input} is a request-log record "
+                         "(meta.request_log, as serve.request_log writes them): is data.input a request log?")
+    progress(f"[data] request log: {summary['conversations']} conversations -> {summary['examples']} labelled turns "
+             f"{summary['labels_by_rule']}; unlabelled {summary['skipped_by_reason']}"
+             + (f"; {summary['not_request_records']} line(s) that are not request-log records (quarantined)"
+                if summary["not_request_records"] else ""))
+    return folder, summary
 
 
 def _write(ds, uri: str, columns: list[str]) -> None:
@@ -223,11 +269,12 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
         from clarifier.data.sources import materialize_sources
 
         sources = materialize_sources(d, progress)
-    files = storage.list_files(d.input, suffixes)
-    if not files:
-        raise FileNotFoundError(f"no {'/'.join(suffixes)} files under {d.input}")
     started = _dt.datetime.now(_dt.timezone.utc)
-    progress(f"[data] {len(files)} input file(s) under {d.input}")
+    if not d.request_log.enabled:
+        files = storage.list_files(d.input, suffixes)
+        if not files:
+            raise FileNotFoundError(f"no {'/'.join(suffixes)} files under {d.input}")
+        progress(f"[data] {len(files)} input file(s) under {d.input}")
 
     # Tokenizer: resolved once here (fails early, names what it is); actors resolve from the cache.
     resolved = resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
@@ -251,8 +298,14 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
 
     _clean_output(d.output, fractions)
 
-    fs, _ = storage.filesystem(d.input)
-    scheme = "s3://" if storage.is_s3(d.input) else ""
+    input_uri, request_log = d.input, None
+    if d.request_log.enabled:
+        input_uri, request_log = _assemble_request_log(ray, d, progress)
+        files = storage.list_files(input_uri, (".jsonl",))
+        if not files:
+            raise ValueError(f"the request log under {d.input} gave no labelled turn: {request_log['skipped_by_reason']}")
+    fs, _ = storage.filesystem(input_uri)
+    scheme = "s3://" if storage.is_s3(input_uri) else ""
     paths = [storage.filesystem(f)[1] for f in files]
 
     # 1-3: read, validate, split ----------------------------------------------------------
@@ -389,6 +442,7 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
         "counts": counts,
         "invariants": invariants,
         "sources": sources,
+        **({"request_log": request_log} if request_log else {}),
         "silver_grounding": silver,
         "packing": packing,
         "row_definition": (

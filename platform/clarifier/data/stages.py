@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from clarifier.core.config import LabellingConfig
+from clarifier.core.request_record import META_KEY
 from clarifier.core.schema import Example
 from clarifier.data.grounding import GROUNDING_COLUMNS
 from clarifier.core.schema import source_of
@@ -236,3 +237,85 @@ class Encoder:
             r.update(input_ids=enc["input_ids"], labels=enc["labels"], loss_weights=enc["loss_weights"],
                      segment_ids=enc["segment_ids"], num_tokens=len(enc["input_ids"]))
         return pa.Table.from_pylist(rows, schema=ENCODED_SCHEMA)
+
+
+# ---- request logs (data.request_log): records -> conversations -> labelled examples ----------------
+
+REQUEST_RECORD_SCHEMA = pa.schema([("conversation_id", pa.string()), ("record_json", pa.string()),
+                                   ("source", pa.string()), ("line", pa.int64())])
+# "example": payload = Example JSON; "skip" / "rule": payload = the reason / rule, n = how many;
+# "unreadable": payload = the raw line (the data job then quarantines it with its reason), reason = why.
+LABELLED_SCHEMA = pa.schema([("kind", pa.string()), ("payload", pa.string()), ("n", pa.int64())])
+
+
+def read_request_records(batch: pa.Table, *, filesystem, scheme: str) -> pa.Table:
+    """Rows of request-log file paths -> one row per record (``conversation_id`` ``""`` for a line that is
+    not a request-log record: it is passed on raw and quarantined by the data job)."""
+    rows: list[dict] = []
+    for path in batch.column("path").to_pylist():
+        data = read_file(filesystem, path)
+        if path.endswith(".gz"):
+            try:
+                data = gzip.decompress(data)
+            except (OSError, EOFError, ValueError, zlib.error) as exc:
+                rows.append({"conversation_id": "", "record_json": json.dumps({"unreadable_file": scheme + path,
+                             "error": f"cannot decompress gzip file: {exc}"}), "source": scheme + path, "line": 0})
+                continue
+        for line_no, raw in enumerate(split_lines(data), start=1):
+            if not raw.strip():
+                continue
+            text = raw.decode("utf-8", errors="replace")
+            try:
+                obj = json.loads(text)
+                cid = obj["conversation_id"] if META_KEY in (obj.get("meta") or {}) else ""
+            except (ValueError, TypeError, KeyError, AttributeError):
+                cid = ""
+            rows.append({"conversation_id": str(cid or ""), "record_json": text, "source": scheme + path,
+                         "line": line_no})
+    return pa.Table.from_pylist(rows, schema=REQUEST_RECORD_SCHEMA)
+
+
+def label_request_conversation(group: pa.Table, *, labelling: dict, min_overlap: float) -> pa.Table:
+    """One conversation's records (a ``groupby("conversation_id")`` group) -> LABELLED_SCHEMA rows."""
+    from collections import Counter
+
+    from clarifier.data.served_logs import assemble, label_served
+
+    records = group.column("record_json").to_pylist()
+    if not group.column("conversation_id")[0].as_py():  # not request-log records: passed on to be quarantined
+        return pa.Table.from_pylist([{"kind": "unreadable", "payload": r, "n": 1} for r in records],
+                                    schema=LABELLED_SCHEMA)
+    rows: list[dict] = []
+    try:
+        log, skipped = assemble([json.loads(r) for r in records])
+        examples, more = label_served(log, LabellingConfig.model_validate(labelling), min_overlap)
+    except ValueError as exc:  # a record that is not a valid conversation log: the data job says why
+        rows.extend({"kind": "unreadable", "payload": r, "n": 1} for r in records)
+        rows.append({"kind": "skip", "payload": f"invalid_records: {str(exc).splitlines()[0][:200]}", "n": len(records)})
+        return pa.Table.from_pylist(rows, schema=LABELLED_SCHEMA)
+    rules = Counter(e.meta["labelling_rule"] for e in examples)
+    rows.extend({"kind": "example", "payload": e.model_dump_json(), "n": 1} for e in examples)
+    rows.extend({"kind": "rule", "payload": k, "n": v} for k, v in rules.items())
+    rows.extend({"kind": "skip", "payload": k, "n": v} for k, v in (skipped + more).items())
+    rows.append({"kind": "conversation", "payload": "", "n": 1})
+    return pa.Table.from_pylist(rows, schema=LABELLED_SCHEMA)
+
+
+def write_labelled_shard(batch: pa.Table, *, filesystem, folder: str) -> pa.Table:
+    """Write a batch's examples (and unreadable lines) as one JSONL file under ``folder``; return its counts."""
+    import uuid
+    from collections import Counter
+
+    kinds = batch.column("kind").to_pylist()
+    payloads = batch.column("payload").to_pylist()
+    ns = batch.column("n").to_pylist()
+    lines = [p for k, p in zip(kinds, payloads) if k in ("example", "unreadable")]
+    if lines:
+        filesystem.create_dir(folder, recursive=True)
+        with filesystem.open_output_stream(f"{folder}/part-{uuid.uuid4().hex[:16]}.jsonl") as f:
+            f.write(("\n".join(lines) + "\n").encode("utf-8"))
+    counts: Counter = Counter()
+    for k, p, n in zip(kinds, payloads, ns):
+        counts[(k, p if k in ("rule", "skip") else "")] += int(n)
+    return pa.Table.from_pylist([{"kind": k, "payload": p, "n": n} for (k, p), n in counts.items()],
+                                schema=LABELLED_SCHEMA)

@@ -129,6 +129,37 @@ def gate_decision(challenger: dict, champion: dict | None, gate: GateConfig) -> 
     return GateResult(all(c.passed for c in out), out)
 
 
+def shadow_criteria(stats: dict, gate: GateConfig) -> list[Criterion]:
+    """Pure: the gate's live-evidence criteria on :func:`clarifier.registry.shadow.shadow_stats`."""
+    out: list[Criterion] = []
+    n = stats["requests"]
+    if n < gate.shadow_min_requests:
+        out.append(Criterion("shadow_min_requests", False, float(n), float(gate.shadow_min_requests),
+                             f"{n} shadowed requests of {stats['challenger']} against {stats['champion']} in the "
+                             f"request log < {gate.shadow_min_requests}: too little live evidence"))
+        return out
+    out.append(Criterion("shadow_min_requests", True, float(n), float(gate.shadow_min_requests),
+                         f"{n} shadowed requests >= {gate.shadow_min_requests}"))
+    if gate.shadow_max_flag_increase is not None:
+        inc = stats["challenger_flag_share"] - stats["champion_flag_share"]
+        ok = inc <= gate.shadow_max_flag_increase + 1e-12
+        out.append(Criterion("shadow_max_flag_increase", ok, inc, gate.shadow_max_flag_increase,
+                             f"live flagged share {stats['challenger_flag_share']:.4f} vs champion "
+                             f"{stats['champion_flag_share']:.4f}: increase {inc:+.4f} "
+                             f"{'<=' if ok else '>'} {gate.shadow_max_flag_increase}"))
+    if gate.shadow_min_clear_agreement is not None:
+        agree = stats["clear_agreement"]
+        if agree is None:
+            out.append(Criterion("shadow_min_clear_agreement", False, None, gate.shadow_min_clear_agreement,
+                                 "the champion judged no shadowed turn clear: agreement on clear turns unknown"))
+        else:
+            ok = agree >= gate.shadow_min_clear_agreement - 1e-12
+            out.append(Criterion("shadow_min_clear_agreement", ok, agree, gate.shadow_min_clear_agreement,
+                                 f"agreement on the {stats['champion_clear']} live turns the champion judged clear "
+                                 f"{agree:.4f} {'>=' if ok else '<'} {gate.shadow_min_clear_agreement}"))
+    return out
+
+
 # ---- the registry side ---------------------------------------------------------------------------
 
 
@@ -204,10 +235,12 @@ class PromotionDecision:
 
 def promote(cfg: ClarifierConfig, name: str, *, to_alias: str = "champion", from_alias: str | None = None,
             version: str | None = None, data: str | None = None, user: str | None = None,
-            progress: Callable[[str], None] = print) -> PromotionDecision:
+            shadow_log: str | None = None, progress: Callable[[str], None] = print) -> PromotionDecision:
     """Run the promotion gate for ``name``: move ``to_alias`` to the challenger only if every criterion holds.
 
-    The challenger is ``version`` or the version behind ``from_alias``. See the module docstring.
+    The challenger is ``version`` or the version behind ``from_alias``. ``shadow_log``: a request log the
+    challenger was the shadow model in; its live comparison with the champion adds the
+    ``registry.gate.shadow_*`` criteria (:mod:`clarifier.registry.shadow`). See the module docstring.
     """
     from clarifier.runtime import storage
 
@@ -271,6 +304,19 @@ def promote(cfg: ClarifierConfig, name: str, *, to_alias: str = "champion", from
         sources = {"challenger": "logged", **({"champion": "logged"} if champ is not None else {})}
 
     result = gate_decision(ch_metrics, cp_metrics, cfg.registry.gate)
+    shadow = None
+    if shadow_log:
+        from clarifier.registry.shadow import read_records, shadow_stats
+
+        if champ is None:
+            raise PromotionError(f"--shadow-log compares the challenger with the champion, but {name} has no "
+                                 f"@{to_alias} version")
+        shadow = shadow_stats(read_records(shadow_log), f"{name}/{mv.version}", f"{name}/{champ.version}")
+        shadow["log"] = shadow_log
+        progress(f"[gate] live evidence from {shadow_log}: {shadow['requests']} shadowed requests "
+                 f"({shadow['failed']} shadow calls failed)")
+        result.criteria.extend(shadow_criteria(shadow, cfg.registry.gate))
+        result.promote = all(c.passed for c in result.criteria)
     decision = "promoted" if result.promote else "refused"
     now = utc_now()
     record = {
@@ -284,6 +330,7 @@ def promote(cfg: ClarifierConfig, name: str, *, to_alias: str = "champion", from
                       "metrics_source": sources.get("champion")} if champ is not None else None),
         "previous_version": str(champ.version) if champ is not None else None,
         "eval_set": eval_set,
+        **({"shadow": shadow} if shadow else {}),
         "gate": cfg.registry.gate.model_dump(),
         "criteria": [asdict(c) for c in result.criteria],
         "reason": result.summary(),

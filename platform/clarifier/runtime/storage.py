@@ -118,7 +118,7 @@ def list_files(uri: str, suffixes: tuple[str, ...] = ()) -> list[str]:
     if info.type == pafs.FileType.File:
         infos = [info]
     elif info.type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"{uri} does not exist" + _missing_bucket(fs, uri))
+        raise FileNotFoundError(f"{uri} does not exist" + missing_bucket(fs, uri))
     else:
         infos = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True)) if i.type == pafs.FileType.File]
     prefix = "s3://" if is_s3(uri) else ""
@@ -126,7 +126,7 @@ def list_files(uri: str, suffixes: tuple[str, ...] = ()) -> list[str]:
     return sorted(out)
 
 
-def _missing_bucket(fs, uri: str) -> str:
+def missing_bucket(fs, uri: str) -> str:
     """Why an ``s3://`` path is missing, when the reason is its bucket (else "")."""
     if not is_s3(uri):
         return ""
@@ -147,7 +147,7 @@ def download_prefix(uri: str, dest: str | Path) -> int:
         rel = info.path[len(path):].lstrip("/")
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        with fs.open_input_stream(info.path) as src, open(target, "wb") as out:
+        with fs.open_input_stream(info.path, compression=None) as src, open(target, "wb") as out:
             while chunk := src.read(1 << 20):
                 out.write(chunk)
         n += 1
@@ -163,7 +163,7 @@ def upload_dir(src: str | Path, uri: str) -> int:
         if f.is_file():
             target = f"{path}/{f.relative_to(src).as_posix()}"
             fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
-            with open(f, "rb") as inp, fs.open_output_stream(target) as out:
+            with open(f, "rb") as inp, fs.open_output_stream(target, compression=None) as out:
                 while chunk := inp.read(1 << 20):
                     out.write(chunk)
             n += 1

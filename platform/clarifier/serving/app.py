@@ -31,6 +31,11 @@ configures and runs them:
   body names the limit, ``Retry-After`` set) or no replica could answer, 500 without internals on
   unexpected errors (an error id points into the server log).
 
+  With ``serve.request_log.uri`` set, every answered request is also written, off the request path,
+  to a rotated JSONL request log (:mod:`clarifier.serving.request_log`). With
+  ``serve.shadow_model_uri`` a third deployment (``ClarifierShadow``, one replica) scores a share of the
+  answered requests after the answer is sent; its answers go to the log and the metrics, never to a client.
+
   A model replica that dies (or becomes unreachable) while it holds a request does not fail that
   request: answering is idempotent, so the ingress sends it again, to another replica (Serve's
   router has dropped the dead one), up to ``REPLICA_LOSS_RETRIES`` times; after that the answer is
@@ -64,11 +69,13 @@ from clarifier.serving.auth import key_digests, load_api_keys
 
 from clarifier.serving.ingress import ClarifierIngress
 from clarifier.serving.model import ClarifierModel, ServingError
+from clarifier.serving.request_log import resolved_uri
 
 # A child of Serve's logger, so replica logs carry these lines (with replica and request ids).
 log = logging.getLogger("ray.serve.clarifier")
 
 APP_NAME = "clarifier"
+SHADOW_DEPLOYMENT = "ClarifierShadow"  # serve.shadow_model_uri: the challenger's deployment
 
 # Non-secret variables forwarded to replicas when set on the driver (credentials are not: they
 # belong to the cluster's own environment / instance profile; API keys never leave the builder).
@@ -157,11 +164,31 @@ def build_app(cfg: ServeConfig, tracking_uri: Optional[str] = None) -> serve.App
         model_refresh_s=cfg.model_refresh_s, use_gpu=cfg.gpus_per_replica > 0, precision=cfg.precision,
         cpus=cfg.cpus_per_replica,
     )
+    shadow = None
+    if cfg.shadow_model_uri:
+        # The challenger: one replica of the same deployment class, its own name, its own bounded queue (a slow
+        # shadow refuses work instead of queueing it; the ingress counts that as a failed shadow call).
+        shadow_opts = {**{k: v for k, v in model_opts.items() if k != "autoscaling_config"}, "num_replicas": 1,
+                       "max_queued_requests": max(1, cfg.shadow_max_inflight)}
+        shadow = ClarifierModel.options(name=SHADOW_DEPLOYMENT, **shadow_opts).bind(
+            cfg.shadow_model_uri, max_new_tokens=cfg.max_new_tokens, tracking_uri=tracking_uri,
+            max_batch_size=cfg.max_batch_size, batch_wait_timeout_s=cfg.batch_wait_timeout_s,
+            model_refresh_s=cfg.model_refresh_s, use_gpu=cfg.gpus_per_replica > 0, precision=cfg.precision,
+            cpus=cfg.cpus_per_replica)
     budget = cfg.latency_budget_s if cfg.max_queued_requests is None else None
     first_replicas = (cfg.autoscaling.initial_replicas or cfg.autoscaling.min_replicas) if cfg.autoscaling.enabled \
         else cfg.num_replicas
+    request_log = None
+    if cfg.request_log.uri:
+        try:
+            uri = resolved_uri(cfg.request_log.uri)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        request_log = cfg.request_log.model_copy(update={"uri": uri}).model_dump()
     return ClarifierIngress.options(**ingress_opts).bind(
         model, model_id=served_model_id(cfg), max_history_turns=cfg.max_history_turns, max_chars=cfg.max_chars,
+        request_log=request_log, shadow=shadow, shadow_share=cfg.shadow_share,
+        shadow_max_inflight=cfg.shadow_max_inflight, shadow_timeout_s=cfg.shadow_timeout_s,
         api_key_digests=digests,
         max_batch_requests=cfg.max_batch_requests, max_queued_requests=model_opts["max_queued_requests"],
         latency_budget_s=budget, initial_limit=2 * model_opts["max_ongoing_requests"] * first_replicas,

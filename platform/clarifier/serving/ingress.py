@@ -7,6 +7,7 @@ import functools
 import importlib.resources
 import json
 import logging
+import random
 import time
 import uuid
 from typing import Any, List, Optional, Tuple
@@ -30,6 +31,8 @@ from clarifier.serving.auth import HEADER as API_KEY_HEADER
 from clarifier.serving.auth import ApiKeyAuth, presented_key
 from clarifier.serving.admission import LatencyBudget
 from clarifier.serving.metrics import IngressMetrics
+from clarifier.core.request_record import request_record, shadow_fields
+from clarifier.serving.request_log import RequestLog
 
 
 # A child of Serve's logger, so replica logs carry these lines (with replica and request ids).
@@ -208,7 +211,9 @@ class ClarifierIngress:
     def __init__(self, model: Any, model_id: str = "clarifier", max_history_turns: int = 50, max_chars: int = 20000,
                  ready_timeout_s: float = 5.0, api_key_digests: Tuple[str, ...] = (),
                  max_batch_requests: int = 32, max_queued_requests: int = -1, ray_metrics: bool = True,
-                 latency_budget_s: Optional[float] = None, initial_limit: int = 8):
+                 latency_budget_s: Optional[float] = None, initial_limit: int = 8,
+                 request_log: Optional[dict] = None, shadow: Any = None, shadow_share: float = 1.0,
+                 shadow_max_inflight: int = 16, shadow_timeout_s: float = 30.0):
         self.model = model  # DeploymentHandle to ClarifierModel
         self.model_id = model_id  # what OpenAI-compatible clients see as the model
         self.started = int(time.time())
@@ -221,11 +226,90 @@ class ClarifierIngress:
         self.max_queued_requests = max_queued_requests
         self.auth = ApiKeyAuth(api_key_digests)
         self.metrics = IngressMetrics(ray=ray_metrics)
+        self.request_log = self._request_log(request_log)
+        # The shadow model (serve.shadow_model_uri): a DeploymentHandle scored off the response path.
+        self.shadow = shadow
+        self.shadow_share = shadow_share
+        self.shadow_max_inflight = shadow_max_inflight
+        self.shadow_timeout_s = shadow_timeout_s
+        self._shadow_tasks: set = set()
+        self._rng = random.Random()
         if self.auth.enabled:
             log.info("API key authentication is ON (%d key(s) configured)", self.auth.n_keys)
         else:
             log.warning("API key authentication is OFF: no keys configured ($%s / serve.api_keys_file); "
                         "every client is accepted", API_KEYS_ENV)
+
+    async def __del__(self):
+        """Serve awaits it on a graceful shutdown: shadow calls still out get a few seconds to come back,
+        then the request log writes what it holds (in a thread: the event loop stays free)."""
+        tasks = list(getattr(self, "_shadow_tasks", ()))
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        request_log = getattr(self, "request_log", None)
+        if request_log is not None:
+            await asyncio.to_thread(request_log.close)
+
+    # ---- the request log ----------------------------------------------------------------------
+
+    def _request_log(self, cfg: Optional[dict]) -> Optional[RequestLog]:
+        if not cfg or not cfg.get("uri"):
+            return None
+        from clarifier.core.config import RequestLogConfig
+
+        try:
+            writer = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside a Serve replica (tests)
+            writer = None
+        m = self.metrics
+        rl = RequestLog(RequestLogConfig.model_validate(cfg), writer_id=writer,
+                        on_count=lambda outcome, n: m.request_log_records.inc(n, outcome=outcome),
+                        on_buffered=lambda n: m.request_log_buffered.set(n))
+        log.info("request log ON: %s (a shard per %d records or %g s)", rl.uri, rl.cfg.shard_records,
+                 rl.cfg.shard_age_s)
+        return rl
+
+    def _log_answers(self, route: str, reqs: List[ClarifyRequest], resps: List[ClarifyResponse],
+                     shadows: Optional[List[dict]] = None) -> None:
+        """Hand each answered request to the request log (never fails or delays the answer)."""
+        if self.request_log is None:
+            return
+        try:
+            at = time.time()
+            omit = tuple(self.request_log.cfg.omit)
+            for k, (req, resp) in enumerate(zip(reqs, resps)):
+                self.request_log.append(request_record(req, resp, route=route, request_id=uuid.uuid4().hex,
+                                                       at=at, omit=omit, shadow=shadows[k] if shadows else None))
+        except Exception:
+            log.exception("request log: a record could not be made")
+
+    def _answered(self, route: str, reqs: List[ClarifyRequest], resps: List[ClarifyResponse]) -> None:
+        """After an answer is ready: log it, and with a shadow model, also have the shadow score it -- in a
+        task of its own (the response does not wait; the log record waits for the shadow's answer)."""
+        if self.shadow is None or self._rng.random() >= self.shadow_share:
+            return self._log_answers(route, reqs, resps)
+        if len(self._shadow_tasks) >= self.shadow_max_inflight:
+            self.metrics.shadow.inc(len(reqs), outcome="skipped")
+            return self._log_answers(route, reqs, resps)
+        task = asyncio.get_running_loop().create_task(self._shadow_score(route, reqs, resps))
+        self._shadow_tasks.add(task)
+        task.add_done_callback(self._shadow_tasks.discard)
+
+    async def _shadow_score(self, route: str, reqs: List[ClarifyRequest], resps: List[ClarifyResponse]) -> None:
+        try:
+            out = await asyncio.wait_for(self.shadow.clarify_many.remote(list(reqs)), timeout=self.shadow_timeout_s)
+            shadows = []
+            for champ, sh in zip(resps, out):
+                self.metrics.shadow.inc(outcome="agree" if sh.needs_clarification == champ.needs_clarification
+                                        else "disagree")
+                self.metrics.shadow_diff.observe(abs(sh.confidence - champ.confidence))
+                shadows.append(shadow_fields(sh))
+        except Exception as exc:  # the shadow never affects an answer; it is counted and logged as failed
+            self.metrics.shadow.inc(len(reqs), outcome="failed")
+            kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "failed"
+            log.warning("shadow model call %s (%s)", kind, type(exc).__name__)
+            shadows = [{"error": kind}] * len(reqs)
+        self._log_answers(route, reqs, resps, shadows)
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -318,6 +402,7 @@ class ClarifierIngress:
         if refused is not None:
             return refused
         self.metrics.observe_answer(resp)
+        self._answered("clarify", [body], [resp])
         return resp
 
     @fastapi_app.post("/v1/clarify/batch", response_model=List[ClarifyResponse], dependencies=AUTH,
@@ -339,6 +424,7 @@ class ClarifierIngress:
             return refused
         for r in resps:
             self.metrics.observe_answer(r)
+        self._answered("clarify_batch", list(body), list(resps))
         return resps
 
     @fastapi_app.post("/v1/chat/completions", dependencies=AUTH, responses=CHAT_ERRORS, openapi_extra=CHAT_BODY_DOC,
@@ -366,6 +452,10 @@ class ClarifierIngress:
         if refused is not None:
             return openai_error(refused)
         self.metrics.observe_answer(resp)
+        conversation = (chat.metadata or {}).get("conversation_id")
+        if isinstance(conversation, (str, int)) and str(conversation):
+            req = req.model_copy(update={"conversation_id": str(conversation)[:256]})
+        self._answered("chat_completions", [req], [resp])
         return JSONResponse(chat_completion(resp, self.model_id))
 
     @fastapi_app.get("/v1/models", dependencies=AUTH, responses={401: ERRORS[401]}, tags=["OpenAI-compatible"])

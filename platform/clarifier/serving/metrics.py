@@ -17,7 +17,11 @@ Ingress (per HTTP request / answer):
   ``clarifier_invalid_outputs_total``, ``clarifier_rejected_total{reason=backpressure|latency_budget|auth}``,
   ``clarifier_admission_limit``, ``clarifier_measured_throughput`` (latency-budget admission, see ``admission``),
   ``clarifier_replica_lost_total{outcome=retried|unavailable}`` (model calls whose replica died or
-  became unreachable mid-request: retried on another replica, or answered 503 once retries ran out).
+  became unreachable mid-request: retried on another replica, or answered 503 once retries ran out),
+  ``clarifier_request_log_records_total{outcome=written|dropped_overflow|dropped_shutdown}``,
+  ``clarifier_request_log_buffered`` (the request log, see ``request_log``),
+  ``clarifier_shadow_total{outcome=agree|disagree|failed|skipped}``, ``clarifier_shadow_confidence_abs_diff``
+  (the shadow model, ``serve.shadow_model_uri``).
 Model replica (Ray metrics only):
   ``clarifier_batch_size`` (requests per engine call), ``clarifier_batch_latency_seconds``,
   ``clarifier_model_switches_total``, ``clarifier_model_load_seconds``, ``clarifier_model_info{version}``.
@@ -33,6 +37,7 @@ log = logging.getLogger("ray.serve.clarifier")
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
 LOAD_BUCKETS = [1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0]
+SHADOW_DIFF_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 
 
 class _Dual:
@@ -114,6 +119,18 @@ class IngressMetrics:
         self.replica_lost = _Dual("counter", "clarifier_replica_lost_total",
                                   "Model calls whose replica died mid-request, by outcome (retried/unavailable).",
                                   ("outcome",), **kw)
+        self.request_log_records = _Dual(
+            "counter", "clarifier_request_log_records_total",
+            "Request-log records by outcome: written, dropped_overflow (max_buffered records already waited for "
+            "the store), dropped_shutdown (not written within flush_timeout_s at shutdown).", ("outcome",), **kw)
+        self.request_log_buffered = _Dual("gauge", "clarifier_request_log_buffered",
+                                          "Request-log records held in memory, not yet in the store.", **kw)
+        self.shadow = _Dual("counter", "clarifier_shadow_total",
+                            "Requests the shadow model also scored, by outcome: agree / disagree (its decision vs the "
+                            "champion's), failed, skipped (shadow_max_inflight calls already waiting).", ("outcome",), **kw)
+        self.shadow_diff = _Dual("histogram", "clarifier_shadow_confidence_abs_diff",
+                                 "|shadow confidence - champion confidence| per shadowed request.",
+                                 buckets=SHADOW_DIFF_BUCKETS, **kw)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.inc(route=route, status=str(status))

@@ -417,7 +417,16 @@ class WorkerRecipe:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
         self.full = cfg.model.finetune == "full"
-        if not self.full:
+        if not self.full and cfg.model.init_from:
+            # Continue an existing adapter (model.init_from, checked on the driver): its weights and its LoRA shape.
+            from peft import PeftModel
+
+            from clarifier.engine.loading import resolve_model
+            from clarifier.runtime.mlflow_uri import tracking_uri
+
+            folder = resolve_model(cfg.model.init_from, cfg.model.cache_dir, tracking_uri(cfg.tracking.tracking_uri)).folder
+            model = PeftModel.from_pretrained(model, str(folder), is_trainable=True)
+        elif not self.full:
             lc = cfg.model.lora
             model = get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
                                                      target_modules=lc.target_modules, task_type="CAUSAL_LM"))

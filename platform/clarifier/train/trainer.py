@@ -92,11 +92,18 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
     check_reachable(tracking_uri)  # before any model conversion or worker start
 
     # Convert/download the base model once on the driver's node so workers find it cached.
-    resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
+    base_path = resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
+    init = None
+    if cfg.model.init_from:
+        init = check_init_from(cfg, base_path, tracking_uri)
+        progress(f"[train] starting from the adapter of {cfg.model.init_from} ({init['version']}: LoRA r={init['r']}, "
+                 f"{init['target_modules']})")
 
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment(t.experiment)
     run_id, resumed = _mlflow_run(cfg, manifest, data_root, decision)
+    if init:  # lineage: which version the alias pointed at when this run started from it
+        mlflow.MlflowClient().set_tag(run_id, "clarifier.init_from", f"{cfg.model.init_from} -> {init['version']}")
     ray_name = f"train-{_slug(t.run_name)}" if t.run_name else f"train-{run_id}"
     storage_path = storage.join(cfg.storage.root, "ray_results")
     if not storage.is_s3(storage_path):
@@ -181,6 +188,35 @@ def _log_tracking(tracking: dict[str, dict], run_id: str, summary: dict) -> None
                                        for k in ("lost_steps", "lost_values", "failed_calls")],
                          tags=[RunTag("tracking.lost_steps", stats["lost_step_ranges"])]
                          if stats["lost_step_ranges"] else [])
+
+
+def check_init_from(cfg: ClarifierConfig, base_path: str, tracking_uri: str | None) -> dict:
+    """``model.init_from`` resolved on the driver (workers resolve it again from the same cache): a
+    Clarifier LoRA model on this run's base model, else ValueError saying what differs."""
+    from clarifier.engine.inference import read_meta
+    from clarifier.engine.loading import resolve_model
+    from clarifier.engine.models import resolve_base_model
+
+    uri = cfg.model.init_from
+    if cfg.train.variant != "joint":
+        raise ValueError(f"model.init_from={uri!r} continues one joint adapter; this run has train.variant="
+                         f"{cfg.train.variant}")
+    if cfg.model.finetune != "lora":
+        raise ValueError(f"model.init_from={uri!r} continues a LoRA adapter; this run has model.finetune="
+                         f"{cfg.model.finetune}")
+    resolved = resolve_model(uri, cfg.model.cache_dir, tracking_uri)
+    meta = read_meta(resolved.folder)
+    adapter_cfg = Path(resolved.folder, "adapter_config.json")
+    if meta.finetune != "lora" or not adapter_cfg.is_file():
+        raise ValueError(f"model.init_from={uri!r} ({resolved.version}) is not a LoRA model (finetune={meta.finetune}); "
+                         "only a LoRA adapter can be continued")
+    theirs = resolve_base_model(meta.base_model, cfg.model.cache_dir)
+    if Path(theirs).resolve() != Path(base_path).resolve():
+        raise ValueError(f"model.init_from={uri!r} ({resolved.version}) was trained on base model {meta.base_model!r}, "
+                         f"this run's model.base_model is {cfg.model.base_model!r}: set model.base_model to its base")
+    lora = json.loads(adapter_cfg.read_text())
+    return {"version": resolved.version, "folder": str(resolved.folder), "r": lora.get("r"),
+            "target_modules": sorted(lora.get("target_modules") or [])}
 
 
 def check_placement(t: TrainConfig, nodes: list[dict]) -> None:

@@ -1,0 +1,73 @@
+"""Request-log records -> conversations -> labels from what happened next (clarifier.data.served_logs)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from clarifier.core.config import LabellingConfig
+from clarifier.data.served_logs import RULES, SKIP_REASONS, assemble, label_served
+from support.served import conversation
+
+RULES_CFG = LabellingConfig()
+
+
+def labels(records: list[dict]):
+    log, skipped = assemble(records)
+    examples, more = label_served(log, RULES_CFG)
+    return {e.meta["turn_index"]: (e.needs_clarification, e.meta["labelling_rule"], e.clarifying_question)
+            for e in examples}, skipped + more, examples
+
+
+def test_asked_and_answered_is_a_silver_positive_then_a_normal_turn_a_negative():
+    recs = conversation("c1", [
+        ("how do I reset it?", "The router or the modem?", "The router or the modem?"),  # the app shows it
+        ("the modem", None, "Hold the reset button for 10 seconds."),
+        ("and how do I update its firmware?", None, "Open the admin page."),  # last: nothing follows
+    ])
+    random.Random(0).shuffle(recs)  # shards arrive in any order
+    got, skipped, examples = labels(recs)
+    assert got == {0: (True, "served_question_answered", "The router or the modem?"),
+                   2: (False, "served_silent_continued", None)}
+    assert skipped == {"no_follow_up": 1}
+    pos = next(e for e in examples if e.needs_clarification)
+    assert pos.meta["silver_target"] is True and pos.history == [] and pos.grounding_passages == ["kb-1"]
+    neg = next(e for e in examples if not e.needs_clarification)
+    assert [t.text for t in neg.history] == ["how do I reset it?", "The router or the modem?"]
+    assert neg.meta["served"]["model_version"] == "clarifier/2" and neg.id == "c1:2"
+
+
+def test_silence_before_a_reformulation_is_a_counted_miss_and_the_apps_question_a_missed_positive():
+    reform = conversation("c2", [("reset my router device", None, "Unplug it."),
+                                 ("how do I reset my router device properly", None, "Press reset."),
+                                 ("ok thanks bye", None, "Bye!")])
+    got, skipped, _ = labels(reform)
+    assert got == {2: (False, "served_silent_continued", None)} and skipped == {"missed_reformulated": 1,
+                                                                               "no_follow_up": 1}
+    app_asked = conversation("c3", [("reset it", None, "Do you mean the router or the modem?"),
+                                    ("router", None, "Hold the button.")])
+    got, skipped, _ = labels(app_asked)
+    assert got == {0: (True, "missed_app_asked", "Do you mean the router or the modem?")}
+
+
+def test_a_question_the_app_did_not_show_or_nobody_answered_gives_no_label():
+    not_shown = conversation("c4", [("reset it", "Which device?", "Hold the button."), ("thanks", None, "Bye.")])
+    got, skipped, _ = labels(not_shown)
+    assert 0 not in got and skipped["question_not_shown"] == 1
+    unanswered = conversation("c5", [("reset it", "Which device?", "Which device?")])
+    got, skipped, _ = labels(unanswered)
+    assert got == {} and skipped == {"no_follow_up": 1}  # the log ends before the app's reply
+
+
+def test_an_edited_history_is_counted_not_guessed():
+    recs = conversation("c6", [("reset it", None, "Press reset."), ("thanks", None, "Bye.")])
+    recs[0]["turns"][-1]["text"] = "reset IT please"  # not what the later request's history says
+    got, skipped, _ = labels(recs)
+    assert skipped["text_mismatch"] == 1 and skipped["not_served"] == 1 and got == {}
+
+
+def test_records_of_two_conversations_are_refused():
+    with pytest.raises(ValueError, match="several conversations"):
+        assemble(conversation("a", [("x", None, "y")]) + conversation("b", [("x", None, "y")]))
+    assert set(RULES) and set(SKIP_REASONS)
