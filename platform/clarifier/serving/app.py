@@ -288,8 +288,10 @@ def run_local(cfg: ServeConfig, tracking_uri: Optional[str] = None, blocking: bo
     log.info("Clarifier serving %s at %s (docs: %s/docs)", info.get("model_version"), url, url)
     if blocking:
         auth = "on" if load_api_keys(cfg.api_keys_file) else f"OFF (no ${API_KEYS_ENV} / serve.api_keys_file)"
+        extra = (f", request log {cfg.request_log.uri}" if cfg.request_log.uri else "") + \
+            (f", shadow {cfg.shadow_model_uri}" if cfg.shadow_model_uri else "")
         say(f"Clarifier serving model {info.get('model_version')} at {url} (playground {url}/playground, docs "
-            f"{url}/docs, OpenAI-compatible base_url {url}/v1, API keys {auth}); Ctrl-C to stop")
+            f"{url}/docs, OpenAI-compatible base_url {url}/v1, API keys {auth}{extra}); Ctrl-C to stop")
         try:
             while True:
                 time.sleep(3600)
