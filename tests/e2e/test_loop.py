@@ -86,6 +86,7 @@ def test_serve_log_label_train_from_champion_and_gate(tiny_model_dir, mlflow_ser
     from clarifier.serving.app import run_local
     from clarifier.train.trainer import train
     from support.config import tiny_lora
+    from support.metrics import metric_value
 
     version, champion_b = _champion(tiny_model_dir, tmp_path, mlflow_server)
     requests = tmp_path / "requests"
@@ -136,9 +137,7 @@ def test_serve_log_label_train_from_champion_and_gate(tiny_model_dir, mlflow_ser
     live = _users(url, 4)
     deadline = time.monotonic() + 120
     while True:  # the shadow's answers arrive after the responses
-        metrics = httpx.get(f"{url}/metrics", timeout=30).text
-        done = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                   if line.startswith("clarifier_shadow_total{"))
+        done = metric_value(httpx.get(f"{url}/metrics", timeout=30).text, "clarifier_shadow_total")
         if done >= live:
             break
         assert time.monotonic() < deadline, f"{done} of {live} shadow answers"

@@ -25,6 +25,7 @@ from clarifier.core.config import ServeConfig
 from clarifier.core.schema import ConversationLog
 from clarifier.runtime.services import free_port
 from support.adapters import untrained_adapter
+from support.metrics import metric_value
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability, pytest.mark.slow]
 
@@ -84,13 +85,7 @@ def stored(url: str, prefix: str) -> list[dict]:
 
 
 def metric(url: str, name: str, **labels) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and (not want or "{" + want + "}" in line):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_value(httpx.get(f"{url}/metrics", timeout=30).text, name, **labels)
 
 
 class Load:

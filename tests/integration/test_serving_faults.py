@@ -28,6 +28,7 @@ import pytest
 
 from clarifier.core.config import ServeConfig
 from clarifier.runtime.services import free_port
+from support.metrics import metric_value
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability, pytest.mark.slow]
 
@@ -95,17 +96,6 @@ def fully_running(n: int) -> bool:
     st = model_status()
     states = {str(getattr(s, "value", s)): k for s, k in st.replica_states.items() if k}
     return states == {"RUNNING": n} and str(getattr(st.status, "value", st.status)) == "HEALTHY"
-
-
-def counter(text: str, name: str, **labels) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    want = tuple(sorted(labels.items()))
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and tuple(sorted(s.labels.items())) == want:
-                return s.value
-    return 0.0
 
 
 def pct(values: list[float], q: float) -> float:
@@ -202,8 +192,8 @@ def test_model_replica_killed_under_steady_load(generating_adapter, ray_serve, p
         for t in threads:
             t.join(90)
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    retried = counter(metrics, "clarifier_replica_lost_total", outcome="retried")
-    unavailable = counter(metrics, "clarifier_replica_lost_total", outcome="unavailable")
+    retried = metric_value(metrics, "clarifier_replica_lost_total", outcome="retried")
+    unavailable = metric_value(metrics, "clarifier_replica_lost_total", outcome="unavailable")
 
     lost = [a for a in answers if a[1] != "ok"]
     raw_failed = [a for a in attempts if a[1] != 200]

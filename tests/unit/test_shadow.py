@@ -9,7 +9,7 @@ from clarifier.core.config import GateConfig
 from clarifier.core.schema import ClarifyRequest, ClarifyResponse
 from clarifier.registry.promotion import shadow_criteria
 from clarifier.registry.shadow import read_records, shadow_stats
-from clarifier.core.request_record import request_record, shadow_fields
+from clarifier.core.request_record import answer_fields, request_record
 
 
 def _rec(champ_asks: bool, shadow_asks: bool | None, champ="m/1", chal="m/2", error=None) -> dict:
@@ -19,7 +19,7 @@ def _rec(champ_asks: bool, shadow_asks: bool | None, champ="m/1", chal="m/2", er
     if error:
         shadow = {"error": error}
     elif shadow_asks is not None:
-        shadow = shadow_fields(ClarifyResponse(needs_clarification=shadow_asks, confidence=0.5,
+        shadow = answer_fields(ClarifyResponse(needs_clarification=shadow_asks, confidence=0.5,
                                                question="Which?" if shadow_asks else None, model_version=chal))
     return request_record(ClarifyRequest(query="reset it"), resp, route="clarify", request_id="r", at=0, shadow=shadow)
 

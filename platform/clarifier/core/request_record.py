@@ -23,8 +23,9 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
-def shadow_fields(resp: ClarifyResponse) -> dict:
-    """What the request log keeps of a shadow model's answer (``meta.shadow`` of the query turn)."""
+def answer_fields(resp: ClarifyResponse) -> dict:
+    """What the request log keeps of a model's answer: a shadow's is ``meta.shadow`` of the query turn, the
+    champion's (with its grounding) ``meta.served``."""
     return {"needs_clarification": resp.needs_clarification, "confidence": resp.confidence,
             "threshold": resp.threshold, "question": resp.question, "model_version": resp.model_version,
             "valid_output": resp.valid_output}
@@ -33,13 +34,11 @@ def shadow_fields(resp: ClarifyResponse) -> dict:
 def request_record(req: ClarifyRequest, resp: ClarifyResponse, *, route: str, request_id: str, at: float,
                    omit: tuple[str, ...] | list[str] = (), shadow: Optional[dict] = None) -> dict:
     """The conversation-log record of one answered request (see the module docstring); ``shadow``: the
-    shadow model's answer (:func:`shadow_fields`) or ``{"error": ...}``, when the request was shadowed."""
+    shadow model's answer (:func:`answer_fields`) or ``{"error": ...}``, when the request was shadowed."""
     history_omitted = "history" in omit
     turns: list[dict[str, Any]] = [] if history_omitted else [{"role": t.role, "text": t.text} for t in req.history]
-    query: dict[str, Any] = {"role": "user", "text": req.query, "meta": {"served": {
-        "needs_clarification": resp.needs_clarification, "confidence": resp.confidence, "threshold": resp.threshold,
-        "question": resp.question, "grounding": resp.grounding.model_dump(), "model_version": resp.model_version,
-        "valid_output": resp.valid_output}}}
+    query: dict[str, Any] = {"role": "user", "text": req.query, "meta": {
+        "served": {**answer_fields(resp), "grounding": resp.grounding.model_dump()}}}
     if shadow is not None:
         query["meta"]["shadow"] = shadow
     if "passages" not in omit:

@@ -9,17 +9,15 @@ into its user turns with :func:`clarifier.data.chatlog.audit_turns`, computes th
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
-import zlib
 
 import pyarrow as pa
 
 from clarifier.core.config import AuditConfig
 from clarifier.data.chatlog import AuditTurn, audit_turns, stable_id
 from clarifier.data.signals import text_signals
-from clarifier.data.validate import decode_line, quarantine_record, read_file, split_lines
+from clarifier.data.validate import UnreadableFile, decode_line, quarantine_record, read_lines
 
 NONE_VALUE = "(none)"
 
@@ -159,17 +157,15 @@ def parse_audit_files(batch: pa.Table, *, filesystem, scheme: str, audit: dict) 
         if path.endswith(".parquet"):
             rows += _parquet_rows(filesystem, path, source, cfg)
             continue
-        data = read_file(filesystem, path)
         mine: list[dict] = []
-        if path.endswith(".gz"):
-            try:
-                data = gzip.decompress(data)
-            except (OSError, EOFError, ValueError, zlib.error) as exc:
-                mine.append({"kind": "quarantine", **quarantine_record(source, 0, f"cannot decompress gzip file: {exc}", b"")})
-                rows += [*mine, _file_row(source, mine, 1, 0)]
-                continue
+        try:
+            lines = read_lines(filesystem, path)
+        except UnreadableFile as exc:
+            mine.append({"kind": "quarantine", **quarantine_record(source, 0, str(exc), b"")})
+            rows += [*mine, _file_row(source, mine, 1, 0)]
+            continue
         n_lines = n_blank = 0
-        for line_no, raw in enumerate(split_lines(data), start=1):
+        for line_no, raw in enumerate(lines, start=1):
             if not raw.strip():
                 n_blank += 1
                 continue

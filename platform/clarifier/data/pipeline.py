@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -99,9 +100,9 @@ def _assemble_request_log(ray, d, progress: Callable[[str], None]) -> tuple[str,
         fn_kwargs={"labelling": d.labelling.model_dump(), "min_overlap": d.request_log.min_reformulation_overlap},
     ).map_batches(write_labelled_shard, batch_size=4096, batch_format="pyarrow",
                   fn_kwargs={"filesystem": out_fs, "folder": out_path}).take_all()
-    total: dict[tuple[str, str], int] = {}
+    total: Counter = Counter()
     for r in counted:
-        total[(r["kind"], r["payload"])] = total.get((r["kind"], r["payload"]), 0) + int(r["n"])
+        total[(r["kind"], r["payload"])] += int(r["n"])
     summary = {
         "input": d.input, "shards": len(files), "conversations": total.get(("conversation", ""), 0),
         "examples": total.get(("example", ""), 0), "not_request_records": total.get(("unreadable", ""), 0),

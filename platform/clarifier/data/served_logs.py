@@ -127,9 +127,8 @@ def label_served(log: ConversationLog, rules: LabellingConfig, min_overlap: floa
             continue
         reply = turns[j].text
         history = [Turn(role=t.role, text=t.text) for t in turns[:i]]
-        meta = log.turn_meta(i)
-        meta.pop("served", None)
-        meta.update({"label_source": "request_log", "turn_index": i + offset, "served": served})
+        meta = log.turn_meta(i)  # holds "served" (and "shadow") from the query turn
+        meta.update({"label_source": "request_log", "turn_index": i + offset})
         passages = log.turn_passages(i)
         common = dict(id=f"{log.conversation_id}:{i + offset}", history=history, query=turn.text, passages=passages)
         if served.get("needs_clarification"):

@@ -6,10 +6,8 @@
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
-import zlib
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,7 +18,7 @@ from clarifier.core.schema import Example
 from clarifier.data.grounding import GROUNDING_COLUMNS
 from clarifier.core.schema import source_of
 from clarifier.data.split import assign_split
-from clarifier.data.validate import check_object, parse_line_full, quarantine_record, read_file, split_lines
+from clarifier.data.validate import UnreadableFile, check_object, parse_line_full, quarantine_record, read_lines
 
 LABELLING_REASON_PREFIX = "labelling:"  # filtered_by_reason keys of user turns the labelling rules dropped
 
@@ -158,17 +156,14 @@ def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fraction
             rows.extend(_parquet_rows(filesystem, path, source, seed, fractions, max_turn_chars, rules))
             continue
         n_lines = n_blank = 0
-        data = read_file(filesystem, path)
         mine: list[dict] = []
-        if path.endswith(".gz"):
-            try:
-                data = gzip.decompress(data)
-            except (OSError, EOFError, ValueError, zlib.error) as exc:  # not gzip / truncated
-                q = quarantine_record(source, 0, f"cannot decompress gzip file: {exc}", b"")
-                mine.append({"kind": "quarantine", **q})
-                rows.extend([*mine, _file_row(source, mine, 1, 0)])
-                continue
-        for line_no, raw in enumerate(split_lines(data), start=1):
+        try:
+            lines = read_lines(filesystem, path)
+        except UnreadableFile as exc:
+            mine.append({"kind": "quarantine", **quarantine_record(source, 0, str(exc), b"")})
+            rows.extend([*mine, _file_row(source, mine, 1, 0)])
+            continue
+        for line_no, raw in enumerate(lines, start=1):
             if not raw.strip():
                 n_blank += 1
                 continue
@@ -253,15 +248,13 @@ def read_request_records(batch: pa.Table, *, filesystem, scheme: str) -> pa.Tabl
     not a request-log record: it is passed on raw and quarantined by the data job)."""
     rows: list[dict] = []
     for path in batch.column("path").to_pylist():
-        data = read_file(filesystem, path)
-        if path.endswith(".gz"):
-            try:
-                data = gzip.decompress(data)
-            except (OSError, EOFError, ValueError, zlib.error) as exc:
-                rows.append({"conversation_id": "", "record_json": json.dumps({"unreadable_file": scheme + path,
-                             "error": f"cannot decompress gzip file: {exc}"}), "source": scheme + path, "line": 0})
-                continue
-        for line_no, raw in enumerate(split_lines(data), start=1):
+        try:
+            lines = read_lines(filesystem, path)
+        except UnreadableFile as exc:
+            rows.append({"conversation_id": "", "record_json": json.dumps({"unreadable_file": scheme + path,
+                         "error": str(exc)}), "source": scheme + path, "line": 0})
+            continue
+        for line_no, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue
             text = raw.decode("utf-8", errors="replace")

@@ -18,7 +18,9 @@ by :mod:`clarifier.data.labelling` and the user turns it filtered are returned a
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from typing import Any
 
 from clarifier.core.config import DataConfig, LabellingConfig
@@ -181,6 +183,21 @@ def check_object(
     if reason is not None:
         return [], quarantine_record(source, line_no, reason, raw), []
     return examples, None, filtered
+
+
+class UnreadableFile(ValueError):
+    """A ``.gz`` file that does not decompress (not gzip, truncated); the message says so."""
+
+
+def read_lines(filesystem, path: str) -> list[bytes]:
+    """The lines of a JSONL file, gunzipped when its name ends in ``.gz`` (:class:`UnreadableFile` when that fails)."""
+    data = read_file(filesystem, path)
+    if path.endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, ValueError, zlib.error) as exc:  # not gzip / truncated
+            raise UnreadableFile(f"cannot decompress gzip file: {exc}") from None
+    return split_lines(data)
 
 
 def split_lines(data: bytes) -> list[bytes]:

@@ -57,8 +57,12 @@ class Criterion:
 
 @dataclass
 class GateResult:
-    promote: bool
     criteria: list[Criterion] = field(default_factory=list)
+
+    @property
+    def promote(self) -> bool:
+        """Every criterion holds (a skipped one counts as passed)."""
+        return all(c.passed for c in self.criteria)
 
     @property
     def failed(self) -> list[Criterion]:
@@ -126,7 +130,7 @@ def gate_decision(challenger: dict, champion: dict | None, gate: GateConfig) -> 
         ok = v >= limit - 1e-12 if floor else v <= limit + 1e-12
         op = (">=" if ok else "<") if floor else ("<=" if ok else ">")
         out.append(Criterion(name, ok, v, limit, f"{key} {v:.4f} {op} {limit}"))
-    return GateResult(all(c.passed for c in out), out)
+    return GateResult(out)
 
 
 def shadow_criteria(stats: dict, gate: GateConfig) -> list[Criterion]:
@@ -316,7 +320,6 @@ def promote(cfg: ClarifierConfig, name: str, *, to_alias: str = "champion", from
         progress(f"[gate] live evidence from {shadow_log}: {shadow['requests']} shadowed requests "
                  f"({shadow['failed']} shadow calls failed)")
         result.criteria.extend(shadow_criteria(shadow, cfg.registry.gate))
-        result.promote = all(c.passed for c in result.criteria)
     decision = "promoted" if result.promote else "refused"
     now = utc_now()
     record = {

@@ -10,10 +10,10 @@ adds criteria on these to the gate (``registry.gate.shadow_*``), recorded in the
 
 from __future__ import annotations
 
-import gzip
 import json
 from typing import Iterable, Iterator
 
+from clarifier.data.validate import read_lines
 from clarifier.runtime import storage
 
 
@@ -21,12 +21,7 @@ def read_records(uri: str) -> Iterator[dict]:
     """Every record of a request log (folder, file or ``s3://`` prefix of ``.jsonl[.gz]`` shards); a line that
     is not JSON is skipped (the data job is where bad lines are quarantined and reported)."""
     for f in storage.list_files(uri, (".jsonl", ".jsonl.gz")):
-        fs, path = storage.filesystem(f)
-        with fs.open_input_stream(path, compression=None) as s:  # raw: .gz is ours to decompress
-            data = s.read()
-        if f.endswith(".gz"):
-            data = gzip.decompress(data)
-        for line in data.splitlines():
+        for line in read_lines(*storage.filesystem(f)):
             if line.strip():
                 try:
                     yield json.loads(line)

@@ -158,23 +158,17 @@ def build_app(cfg: ServeConfig, tracking_uri: Optional[str] = None) -> serve.App
                     cfg.num_replicas, cfg.autoscaling.min_replicas, cfg.autoscaling.max_replicas)
     digests = key_digests(load_api_keys(cfg.api_keys_file))
     model_opts, ingress_opts = deployment_options(cfg, _forwarded_env(tracking_uri))
-    model = ClarifierModel.options(**model_opts).bind(
-        cfg.model_uri, max_new_tokens=cfg.max_new_tokens, tracking_uri=tracking_uri,
-        max_batch_size=cfg.max_batch_size, batch_wait_timeout_s=cfg.batch_wait_timeout_s,
-        model_refresh_s=cfg.model_refresh_s, use_gpu=cfg.gpus_per_replica > 0, precision=cfg.precision,
-        cpus=cfg.cpus_per_replica,
-    )
+    engine_args = dict(max_new_tokens=cfg.max_new_tokens, tracking_uri=tracking_uri, max_batch_size=cfg.max_batch_size,
+                       batch_wait_timeout_s=cfg.batch_wait_timeout_s, model_refresh_s=cfg.model_refresh_s,
+                       use_gpu=cfg.gpus_per_replica > 0, precision=cfg.precision, cpus=cfg.cpus_per_replica)
+    model = ClarifierModel.options(**model_opts).bind(cfg.model_uri, **engine_args)
     shadow = None
     if cfg.shadow_model_uri:
         # The challenger: one replica of the same deployment class, its own name, its own bounded queue (a slow
         # shadow refuses work instead of queueing it; the ingress counts that as a failed shadow call).
         shadow_opts = {**{k: v for k, v in model_opts.items() if k != "autoscaling_config"}, "num_replicas": 1,
                        "max_queued_requests": max(1, cfg.shadow_max_inflight)}
-        shadow = ClarifierModel.options(name=SHADOW_DEPLOYMENT, **shadow_opts).bind(
-            cfg.shadow_model_uri, max_new_tokens=cfg.max_new_tokens, tracking_uri=tracking_uri,
-            max_batch_size=cfg.max_batch_size, batch_wait_timeout_s=cfg.batch_wait_timeout_s,
-            model_refresh_s=cfg.model_refresh_s, use_gpu=cfg.gpus_per_replica > 0, precision=cfg.precision,
-            cpus=cfg.cpus_per_replica)
+        shadow = ClarifierModel.options(name=SHADOW_DEPLOYMENT, **shadow_opts).bind(cfg.shadow_model_uri, **engine_args)
     budget = cfg.latency_budget_s if cfg.max_queued_requests is None else None
     first_replicas = (cfg.autoscaling.initial_replicas or cfg.autoscaling.min_replicas) if cfg.autoscaling.enabled \
         else cfg.num_replicas

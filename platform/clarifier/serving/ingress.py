@@ -31,7 +31,7 @@ from clarifier.serving.auth import HEADER as API_KEY_HEADER
 from clarifier.serving.auth import ApiKeyAuth, presented_key
 from clarifier.serving.admission import LatencyBudget
 from clarifier.serving.metrics import IngressMetrics
-from clarifier.core.request_record import request_record, shadow_fields
+from clarifier.core.request_record import answer_fields, request_record
 from clarifier.serving.request_log import RequestLog
 
 
@@ -303,7 +303,7 @@ class ClarifierIngress:
                 self.metrics.shadow.inc(outcome="agree" if sh.needs_clarification == champ.needs_clarification
                                         else "disagree")
                 self.metrics.shadow_diff.observe(abs(sh.confidence - champ.confidence))
-                shadows.append(shadow_fields(sh))
+                shadows.append(answer_fields(sh))
         except Exception as exc:  # the shadow never affects an answer; it is counted and logged as failed
             self.metrics.shadow.inc(len(reqs), outcome="failed")
             kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "failed"

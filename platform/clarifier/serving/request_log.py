@@ -132,13 +132,11 @@ class RequestLog:
         """Hold ``record`` for writing; False (and counted) when ``max_buffered`` records already wait."""
         with self._lock:
             if self._closed:  # after shutdown began (e.g. a late shadow answer): counted, not kept
-                self.counts["dropped_shutdown"] += 1
-                self._on_count("dropped_shutdown", 1)
+                self._count("dropped_shutdown")
                 return False
             if self.buffered >= self.cfg.max_buffered:
-                self.counts["dropped_overflow"] += 1
+                self._count("dropped_overflow")
                 dropped = self.counts["dropped_overflow"]
-                self._on_count("dropped_overflow", 1)
                 if dropped == 1 or dropped % 1000 == 0:
                     log.warning("request log %s: %d record(s) dropped so far: %d are waiting for the store "
                                 "(serve.request_log.max_buffered=%d)", self.uri, dropped, self.buffered,
@@ -156,6 +154,10 @@ class RequestLog:
             self._wake.set()
         self._on_buffered(self.buffered)
         return True
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        self.counts[outcome] += n
+        self._on_count(outcome, n)
 
     # ---- the writer -------------------------------------------------------------------------------
 
@@ -237,9 +239,8 @@ class RequestLog:
             with self._lock:
                 self._sealed.popleft()
                 self.buffered -= n
-            self.counts["written"] += n
+            self._count("written", n)
             self.counts["shards"] += 1
-            self._on_count("written", n)
             self._on_buffered(self.buffered)
 
     def _run(self) -> None:
@@ -269,6 +270,7 @@ class RequestLog:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        timeout_s = self.cfg.flush_timeout_s if timeout_s is None else timeout_s
         self.flush(timeout_s)
         with self._lock:
             lost = self.buffered
@@ -276,10 +278,8 @@ class RequestLog:
             self._open = None
             self.buffered = 0
         if lost:
-            self.counts["dropped_shutdown"] += lost
-            self._on_count("dropped_shutdown", lost)
+            self._count("dropped_shutdown", lost)
             log.error("request log: %d record(s) could not be written to %s before shutdown (the store kept "
-                      "failing for serve.request_log.flush_timeout_s=%gs)", lost, self.uri,
-                      self.cfg.flush_timeout_s if timeout_s is None else timeout_s)
+                      "failing for serve.request_log.flush_timeout_s=%gs)", lost, self.uri, timeout_s)
         log.info("request log %s closed: %s", self.uri, self.counts)
         return dict(self.counts)
