@@ -63,6 +63,7 @@ class _Lines:
         self.last_printed: float | None = None
         self.pending: str | None = None
         self.lock = threading.Lock()
+        self.streams_to_log = False  # main(): sys.stdout/sys.stderr go to the run's log file
 
     def __call__(self, msg: str) -> None:
         with self.lock:
@@ -76,9 +77,9 @@ class _Lines:
         final = m.group(2) is not None and m.group(1) == m.group(2)
         if console.is_terminal:
             if self.status is None:
-                self.status = console.status(msg)
+                self.status = self._live(msg)
                 self.status.start()
-            self.status.update(msg)
+            self.spinner.update(text=msg)
             self.pending = msg
             if final:
                 self._end_steps()
@@ -89,6 +90,18 @@ class _Lines:
             self.last_printed, self.pending = now, None
         else:
             self.pending = msg
+
+    def _live(self, msg: str):
+        """The live line (rich's ``console.status`` is the same Live + Spinner). Live would also point
+        ``sys.stdout``/``sys.stderr`` at the terminal while it runs; when those go to the run's log
+        file, that would put Ray's worker lines, warnings and progress bars back on the terminal."""
+        from rich.live import Live
+        from rich.spinner import Spinner
+
+        self.spinner = Spinner("dots", text=msg, style="status.spinner")
+        to_terminal = not self.streams_to_log
+        return Live(self.spinner, console=console, transient=True, refresh_per_second=12.5,
+                    redirect_stdout=to_terminal, redirect_stderr=to_terminal)
 
     def _end_steps(self) -> None:
         if self.status is not None:
@@ -674,6 +687,7 @@ def main(argv: Optional[list[str]] = None) -> int:  # the `clarifier` executable
 
     argv = list(sys.argv[1:] if argv is None else argv)
     run = runlog.redirect(runlog.log_path(argv)) if runlog.should_redirect(argv) else runlog.passthrough()
+    _say.streams_to_log = run.redirected
     if run.redirected:
         console.file = run.terminal_out
         err_console.file = run.terminal_err

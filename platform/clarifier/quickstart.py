@@ -70,10 +70,7 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
     progress(f"wrote {cfg.data.synthetic_conversations} conversations in {len(files)} JSONL shards")
 
     stage(3, "Ray Data: logs -> validated, split, tokenised training examples (Parquet)")
-    manifest = prepare(cfg, progress=progress)
-    c = manifest["counts"]
-    progress(f"rows read {c['rows_read']}, examples {c['examples']}, quarantined {c['quarantined']}; "
-             + ", ".join(f"{s} {v['examples']}" for s, v in c["splits"].items()))
+    prepare(cfg, progress=progress)  # its last line gives the counts per split
 
     stage(4, f"Ray Train: {'LoRA' if cfg.model.finetune == 'lora' else 'full'} fine-tuning of {cfg.model.base_model} with DeepSpeed ZeRO-{cfg.train.zero_stage}")
     tr = train(cfg, progress=progress)
@@ -136,16 +133,24 @@ def _serve_examples(cfg: ClarifierConfig, uri: str, progress) -> list[dict]:
 
     serve_cfg = cfg.serve.model_copy(update={"model_uri": uri})
     url = run_local(serve_cfg, tracking_uri=cfg.tracking.tracking_uri)
-    progress(f"serving at {url}/v1/clarify (held-out test turns)")
+    progress(f"serving at {url}/v1/clarify; held-out test turns (full requests and answers in summary.json):")
     keys = load_api_keys(serve_cfg.api_keys_file)  # when the service has keys, use one of them
     client = ClarifierClient(url, api_key=keys[0] if keys else None, timeout=120)
     answers = []
     for req, gold in example_requests(cfg):
         resp = client.clarify(req["history"], req["query"], req["passages"])
-        progress(f"  request:  {json.dumps(req)}")
-        progress(f"  response: {resp.model_dump_json()}   (gold: {'clarify' if gold else 'answer'})")
+        progress("  " + _one_line(req, resp, gold))
         answers.append({"request": req, "gold_needs_clarification": gold, "response": resp.model_dump()})
     return answers
+
+
+def _one_line(req: dict, resp, gold: bool) -> str:
+    """One console line per example request: the query, the decision with its confidence against the
+    threshold, the question asked (if any) and the gold decision."""
+    q = req["query"] if len(req["query"]) <= 60 else req["query"][:57] + "..."
+    thr = f" vs threshold {resp.threshold:.2f}" if resp.threshold is not None else ""
+    said = f"clarify: {resp.question!r}" if resp.needs_clarification else "answer (no question)"
+    return f"{q!r} -> {said}  [confidence {resp.confidence:.2f}{thr}; gold {'clarify' if gold else 'answer'}]"
 
 
 def _shutdown(progress) -> None:

@@ -45,8 +45,9 @@ def _champion(tiny_model_dir: Path, root: Path, mlflow_server: str) -> tuple[str
 
 def _users(url: str, n: int) -> int:
     """``n`` conversations of each kind through the live API, as a RAG app would call it: an ambiguous
-    request (Clarifier stays silent, the app asks, the user answers), and a clear one (the app answers,
-    the user goes on). Returns the number of requests."""
+    request (Clarifier stays silent, the app asks, the user answers), one the user has to restate after
+    the app's answer (Clarifier stayed silent: a miss), and a clear one (the app answers, the user goes
+    on). Returns the number of requests."""
     from clarifier.client import ClarifierClient
 
     sent = 0
@@ -56,6 +57,9 @@ def _users(url: str, n: int) -> int:
             for kind, turns in (
                 ("amb", [("how do I reset it?", "Do you mean the router or the modem?"),
                          ("the router", "Hold the reset button for ten seconds."), ("thanks", None)]),
+                ("reform", [("how do I reset my device?", "Unplug it and plug it back in."),
+                            ("no, how do I reset the router device itself?", "Hold the reset button."),
+                            ("thanks", None)]),
                 ("clear", [("how do I reset my router?", "Hold the reset button for ten seconds."),
                            ("and where is the modem's manual?", "On the vendor's site."), ("great", None)]),
             ):
@@ -109,10 +113,10 @@ def test_serve_log_label_train_from_champion_and_gate(tiny_model_dir, mlflow_ser
             f"registry.model_name={NAME}", "registry.gate.shadow_min_requests=20"]
     manifest = prepare(build_config({}, base), progress=print)
     rl = manifest["request_log"]
-    assert rl["conversations"] == 24 and sent == 72
+    assert rl["conversations"] == 36 and sent == 108
     assert rl["labels_by_rule"] == {"served_question_answered": 0, "missed_app_asked": 12,
-                                    "served_silent_continued": 36}
-    assert rl["skipped_by_reason"] == {"no_follow_up": 24}
+                                    "missed_reformulated": 12, "served_silent_continued": 48}
+    assert rl["skipped_by_reason"] == {"no_follow_up": 36}
 
     # 3. train from the champion's adapter
     cfg = build_config({}, [*base, f"model.init_from=models:/{NAME}@champion"])

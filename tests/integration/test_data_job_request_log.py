@@ -57,12 +57,12 @@ def test_a_request_log_becomes_labelled_splits(ray_local, tiny_model_dir, tmp_pa
     rl = manifest["request_log"]
     assert rl["conversations"] == 30 and rl["shards"] > 3
     assert rl["labels_by_rule"] == {"served_question_answered": 10, "missed_app_asked": 10,
-                                    "served_silent_continued": 30}
-    assert rl["skipped_by_reason"] == {"missed_reformulated": 10, "no_follow_up": 30}
+                                    "missed_reformulated": 10, "served_silent_continued": 30}
+    assert rl["skipped_by_reason"] == {"no_follow_up": 30}
     assert rl["not_request_records"] == 2 and manifest["counts"]["quarantined"] == 2
-    assert read_manifest(str(out))["request_log"]["examples"] == 50
+    assert read_manifest(str(out))["request_log"]["examples"] == 60
     examples = load_split(str(out), "train") + load_split(str(out), "test")
-    assert len(examples) == 50
+    assert len(examples) == 60
     by_rule = {}
     for e in examples:
         by_rule.setdefault(e.meta["labelling_rule"], []).append(e)
@@ -70,6 +70,9 @@ def test_a_request_log_becomes_labelled_splits(ray_local, tiny_model_dir, tmp_pa
     assert all(e.needs_clarification and e.meta["silver_target"] and e.clarifying_question == "The router or the modem?"
                for e in silver)
     assert all(not e.needs_clarification for e in by_rule["served_silent_continued"])
+    # a silence the user had to reformulate after: a positive with no question (trained on the decision)
+    assert all(e.needs_clarification and e.decision_only and e.clarifying_question is None
+               for e in by_rule["missed_reformulated"])
     assert {e.meta["source"] for e in examples} == {"request_log"}
     # a conversation never lands in two splits
     splits = {}
@@ -77,5 +80,5 @@ def test_a_request_log_becomes_labelled_splits(ray_local, tiny_model_dir, tmp_pa
         for e in load_split(str(out), split):
             splits.setdefault(e.conversation_id, set()).add(split)
     assert all(len(s) == 1 for s in splits.values())
-    assert any("30 conversations -> 50 labelled turns" in m for m in said), said
+    assert any("30 conversations -> 60 labelled turns" in m for m in said), said
     json.dumps(manifest)  # the manifest stays JSON

@@ -33,6 +33,9 @@ def test_config_prints_resolved_yaml_with_overrides():
 def test_config_error_names_the_key_and_exits_2():
     res = runner.invoke(app, ["train", "-c", str(ROOT / "platform/clarifier/quickstart.yaml"), "train.max_stepz=3"])
     assert res.exit_code == 2 and "train.max_stepz" in res.output
+    assert "did you mean 'train.max_steps'?" in " ".join(res.output.split())  # rich wraps long lines
+    res = runner.invoke(app, ["config", "-c", str(ROOT / "platform/clarifier/quickstart.yaml"), "train.zzz=3"])
+    assert res.exit_code == 2 and "did you mean" not in res.output
 
 
 def test_data_synth_writes_either_generator(tmp_path):
@@ -106,6 +109,20 @@ def test_quickstart_says_by_how_much_the_model_beats_each_baseline():
     lost = verdict_lines({"decision_f1": {"model": 0.7, "lexical": 0.8}, "over_asking_rate": {"model": 0.1, "lexical": 0.3}})
     assert lost == [("note: on decision F1 the trained model did NOT beat lexical (-0.100): 0.700 vs 0.800, "
                      "over-asking 0.100 vs 0.300", False)]
+
+
+def test_quickstart_shows_each_example_answer_on_one_line():
+    from clarifier.core.schema import ClarifyResponse
+    from clarifier.quickstart import _one_line
+
+    req = {"query": "how do I reset it?", "history": [], "passages": []}
+    asked = ClarifyResponse(needs_clarification=True, confidence=0.834, threshold=0.4,
+                            question="Which device: the router or the printer?", model_version="3")
+    assert _one_line(req, asked, True) == ("'how do I reset it?' -> clarify: 'Which device: the router or the printer?'"
+                                           "  [confidence 0.83 vs threshold 0.40; gold clarify]")
+    silent = ClarifyResponse(needs_clarification=False, confidence=0.1, model_version="3")
+    line = _one_line({**req, "query": "x" * 80}, silent, False)
+    assert line.startswith("'" + "x" * 57 + "...' -> answer (no question)") and line.endswith("[confidence 0.10; gold answer]")
 
 
 def test_serve_on_a_taken_port_names_it_before_starting_ray(monkeypatch, capsys):

@@ -256,6 +256,16 @@ def test_evaluate_predictions_combines_everything():
     assert m["validity"] == pytest.approx(5 / 6) and m["n_invalid"] == 1
 
 
+def test_decision_only_positives_count_for_the_decision_not_for_questions_or_grounding():
+    examples, preds = _fixture()
+    miss = Example(id="m", history=examples[0].history, query="reset it", needs_clarification=True, decision_only=True)
+    m = evaluate_predictions([*examples, miss], [*preds, Prediction(True, 0.95, "Which one?", (0,), ("p1",))])
+    base = evaluate_predictions(examples, preds)
+    assert m["decision"]["tp"] == base["decision"]["tp"] + 1
+    assert m["question"] == base["question"] and m["grounding"] == base["grounding"]
+    assert m["grounding_passages"] == base["grounding_passages"]
+
+
 def test_evaluate_predictions_threshold_overrides_decisions():
     examples, preds = _fixture()
     m = evaluate_predictions(examples, preds, threshold=0.8)  # inclusive: 0.8 clarifies

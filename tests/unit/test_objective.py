@@ -48,6 +48,20 @@ def test_encode_negative_and_truncation(tiny_tokenizer):
     assert short["truncated"] and len(short["input_ids"]) == enc["prompt_len"] + 2
 
 
+def test_a_decision_only_positive_trains_the_decision_and_not_where_a_question_ends(tiny_tokenizer):
+    ex = Example(id="m", history=_ex().history, query="how do I reset it?", needs_clarification=True,
+                 decision_only=True)
+    enc = encode_example(ex, tiny_tokenizer, SegmentWeights(), PromptOptions(), max_length=2048)
+    p = enc["prompt_len"]
+    assert set(enc["segment_ids"][p:]) == {SEGMENT_IDS["format"], SEGMENT_IDS["decision"]}
+    assert tiny_tokenizer.eos_token_id not in enc["input_ids"][p:]  # no end-of-turn after "clarify\n"
+    assert tiny_tokenizer.decode(enc["input_ids"][p:]) == "decision: clarify\n"
+    full = encode_example(_ex(), tiny_tokenizer, SegmentWeights(), PromptOptions(), max_length=2048)
+    # the decision tokens are the same as those of a positive with a question
+    dec = [t for t, g in zip(full["labels"][p:], full["segment_ids"][p:]) if g == SEGMENT_IDS["decision"]]
+    assert [t for t, g in zip(enc["labels"][p:], enc["segment_ids"][p:]) if g == SEGMENT_IDS["decision"]] == dec
+
+
 def test_joint_loss_weights_and_parts():
     torch.manual_seed(0)
     rows = [{"input_ids": [5, 6, 7, 8], "labels": [IGNORE, 6, 7, 8], "loss_weights": [0, 2.0, 1.0, 1.0],

@@ -131,3 +131,29 @@ def test_eval_progress_lines_are_thinned_too_and_each_rows_last_one_stays(capsys
     say("[eval] report written")
     assert capsys.readouterr().out.splitlines() == [
         "[eval] model: 32/128", "[eval] model: 128/128", "[eval] base_model: 128/128", "[eval] report written"]
+
+
+def test_the_live_step_line_leaves_the_streams_in_the_log_file(monkeypatch):
+    """While the live line runs, what Ray prints for its workers (to sys.stdout) and warnings or
+    progress bars (sys.stderr) stay in the run's log file instead of reaching the terminal."""
+    import io
+    import sys
+
+    from rich.console import Console
+
+    from clarifier import cli
+
+    terminal, log = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=terminal, force_terminal=True, width=120))
+    monkeypatch.setattr(sys, "stdout", log)
+    monkeypatch.setattr(sys, "stderr", log)
+    say = cli._Lines()
+    say.streams_to_log = True
+    say("[train] step 1/10 loss 0.5")
+    print("(RayTrainWorker pid=1) Checkpoint successfully created")
+    print("FutureWarning: deprecated", file=sys.stderr)
+    say("[train] step 10/10 loss 0.1")
+    assert sys.stdout is log and sys.stderr is log
+    assert "RayTrainWorker" in log.getvalue() and "FutureWarning" in log.getvalue()
+    assert "RayTrainWorker" not in terminal.getvalue() and "FutureWarning" not in terminal.getvalue()
+    assert "step 10/10 loss 0.1" in terminal.getvalue()

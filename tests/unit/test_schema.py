@@ -40,6 +40,8 @@ def test_shared_readme_example_parses():
     ({"clarifying_question": None}, "clarifying_question is empty"),
     ({"history": [{"role": "bot", "text": "x"}]}, "role"),
     ({"needs_clarification": "maybe"}, "needs_clarification"),
+    ({"decision_only": True, "needs_clarification": False, "clarifying_question": None}, "decision_only is for positives"),
+    ({"decision_only": True}, "no clarifying_question or grounding"),
 ])
 def test_invalid_examples_name_the_problem(patch, fragment):
     with pytest.raises(ValidationError, match=fragment):
@@ -107,3 +109,10 @@ def test_clarify_request_rejects_unknown_fields_and_blank_query():
         ClarifyRequest.model_validate({"query": "x", "histroy": []})
     with pytest.raises(ValidationError, match="query"):
         ClarifyRequest.model_validate({"query": "  "})
+
+
+def test_a_decision_only_positive_needs_no_question():
+    ex = Example.model_validate({**SHARED_EXAMPLE, "decision_only": True, "clarifying_question": None,
+                                 "grounding_turns": [], "grounding_passages": []})
+    assert ex.needs_clarification and ex.decision_only and ex.clarifying_question is None
+    assert Example.model_validate(SHARED_EXAMPLE).decision_only is False

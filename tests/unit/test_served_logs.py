@@ -38,13 +38,15 @@ def test_asked_and_answered_is_a_silver_positive_then_a_normal_turn_a_negative()
     assert neg.meta["served"]["model_version"] == "clarifier/2" and neg.id == "c1:2"
 
 
-def test_silence_before_a_reformulation_is_a_counted_miss_and_the_apps_question_a_missed_positive():
+def test_silence_before_a_reformulation_is_a_decision_only_positive_and_the_apps_question_a_missed_positive():
     reform = conversation("c2", [("reset my router device", None, "Unplug it."),
                                  ("how do I reset my router device properly", None, "Press reset."),
                                  ("ok thanks bye", None, "Bye!")])
-    got, skipped, _ = labels(reform)
-    assert got == {2: (False, "served_silent_continued", None)} and skipped == {"missed_reformulated": 1,
-                                                                               "no_follow_up": 1}
+    got, skipped, examples = labels(reform)
+    assert got == {0: (True, "missed_reformulated", None), 2: (False, "served_silent_continued", None)}
+    assert skipped == {"no_follow_up": 1}
+    miss = next(e for e in examples if e.meta["labelling_rule"] == "missed_reformulated")
+    assert miss.decision_only and not miss.grounding_passages and miss.query == "reset my router device"
     app_asked = conversation("c3", [("reset it", None, "Do you mean the router or the modem?"),
                                     ("router", None, "Hold the button.")])
     got, skipped, _ = labels(app_asked)

@@ -36,7 +36,10 @@ def test_rows_in_any_arrival_order_give_the_same_canonical_table():
     rows sorted by id (packed blocks: by first example id), and how/what parts keep clarify rows."""
     import pyarrow as pa
 
-    rows = [{"id": f"e{i}", "needs_clarification": i % 3 == 0, "input_ids": [i, i + 1]} for i in range(9)]
+    f, d, g, q = (SEGMENT_IDS[k] for k in ("format", "decision", "grounding", "question"))
+    # e4 is a decision_only positive: its target is the decision alone, so how/what skip it too
+    rows = [{"id": f"e{i}", "needs_clarification": i % 3 == 0 or i == 4, "input_ids": [i, i + 1],
+             "segment_ids": [0, f, d, g, q] if i % 3 == 0 else [0, f, d]} for i in range(9)]
     shuffled = [rows[i] for i in (4, 0, 8, 2, 7, 1, 6, 3, 5)]
     a = canonical_train_table(pa.Table.from_pylist(rows), None)
     b = canonical_train_table(pa.Table.from_pylist(shuffled), None)
@@ -44,6 +47,7 @@ def test_rows_in_any_arrival_order_give_the_same_canonical_table():
     assert canonical_train_table(pa.Table.from_pylist(shuffled), "when").num_rows == 9
     what = canonical_train_table(pa.Table.from_pylist(shuffled), "what")
     assert what.column("id").to_pylist() == ["e0", "e3", "e6"]
+    assert canonical_train_table(pa.Table.from_pylist(shuffled), "how").column("id").to_pylist() == ["e0", "e3", "e6"]
     blocks = pa.Table.from_pylist([{"example_ids": ["e5", "e1"], "num_tokens": 4},
                                    {"example_ids": ["e2"], "num_tokens": 2},
                                    {"example_ids": ["e0", "e9"], "num_tokens": 3}])

@@ -7,6 +7,8 @@ A wrong key or a wrong type is a ``ConfigError`` that names the dotted key (and 
 
 from __future__ import annotations
 
+import difflib
+
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -580,7 +582,9 @@ def set_dotted(data: dict, key: str, value: Any, model: Any = None, what: str = 
             if fields is None or part not in fields:
                 where = ".".join(parts[:i]) or "top level"
                 options = ", ".join(sorted(fields)) if fields else "(not a section)"
-                raise ConfigError(f"unknown {what} {key!r}: no {part!r} under {where} (known: {options})")
+                close = difflib.get_close_matches(part, list(fields or ()), n=1)
+                guess = f"; did you mean {'.'.join([*parts[:i], close[0]])!r}?" if close else ""
+                raise ConfigError(f"unknown {what} {key!r}: no {part!r} under {where}{guess} (known: {options})")
             node = fields[part].annotation
         if i == len(parts) - 1:
             if isinstance(value, dict) and isinstance(cur.get(part), dict):

@@ -423,7 +423,7 @@ def evaluate_predictions(
 
     Decisions are ``confidence >= threshold`` when ``threshold`` is given, else each prediction's
     ``needs_clarification``. Question and grounding metrics are computed on the true positives
-    (gold clarify and predicted clarify); the question metrics additionally need a non-empty
+    (gold clarify and predicted clarify) that have a gold question (not ``decision_only``); the question metrics additionally need a non-empty
     predicted question (``question.missing`` counts true positives without one). With
     ``similarity_fn`` (pairwise cosine similarity of two equal-length string lists) the mean
     ``question.semantic_similarity`` of those same pairs is added (None without it). Grounding of
@@ -443,6 +443,8 @@ def evaluate_predictions(
         decided = [s >= threshold for s in scores]
 
     tp_idx = [i for i, (g, d) in enumerate(zip(gold, decided)) if g and d]
+    # Decision-only positives have no gold question or grounding: they count for the decision only.
+    tp_idx = [i for i in tp_idx if not getattr(examples[i], "decision_only", False)]
     q_idx = [i for i in tp_idx if (preds[i].question or "").strip()]
     question = question_metrics(
         [examples[i].clarifying_question or "" for i in q_idx],

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from clarifier.core.prompt import PromptOptions, render_prompts
-from clarifier.core.target import SEGMENTS, render_segments, target_from_example
+from clarifier.core.target import SEGMENTS, example_segments
 
 IGNORE = -100
 SEGMENT_IDS = {name: i + 1 for i, name in enumerate(SEGMENTS)}  # 0 = prompt / padding
@@ -36,7 +36,9 @@ class SegmentWeights:
 def encode_example(example, tokenizer, weights: SegmentWeights, opts: PromptOptions, max_length: int) -> dict:
     """Token ids, labels, per-token loss weights and segment ids for one Example.
 
-    The end-of-turn token after the target belongs to the last segment, so the model learns to stop.
+    The end-of-turn token after the target belongs to the last segment, so the model learns to stop;
+    a ``decision_only`` positive (``target.example_segments``) ends at ``decision: clarify\n`` with no
+    end-of-turn token, so it teaches the decision and nothing about where a question ends.
     Returns ``truncated=True`` when the sequence had to be cut to ``max_length`` (the target is
     never cut silently: the data job filters such rows with that reason).
     """
@@ -47,18 +49,18 @@ def encode_examples(examples, tokenizer, weights: SegmentWeights, opts: PromptOp
     """:func:`encode_example` of many Examples: prompts and target segments are tokenised in one
     call each (the per-call overhead of a tokenizer is most of the cost for short texts)."""
     prompts = render_prompts(tokenizer, [(e.history, e.query, e.passages) for e in examples], opts)
-    pieces = [render_segments(target_from_example(e)) for e in examples]
+    pieces = [example_segments(e) for e in examples]
     flat = [text for ps in pieces for _, text in ps]
     flat_ids = iter(tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else [])
     out = []
-    for (_, prompt_ids), segs in zip(prompts, pieces):
+    for (_, prompt_ids), segs, ex in zip(prompts, pieces, examples):
         ids = list(prompt_ids)
         labels = [IGNORE] * len(ids)
         w = [0.0] * len(ids)
         seg = [0] * len(ids)
         for k, (name, _) in enumerate(segs):
             piece_ids = list(next(flat_ids))
-            if k == len(segs) - 1 and tokenizer.eos_token_id is not None:
+            if k == len(segs) - 1 and tokenizer.eos_token_id is not None and not getattr(ex, "decision_only", False):
                 piece_ids = piece_ids + [tokenizer.eos_token_id]
             ids += piece_ids
             labels += piece_ids

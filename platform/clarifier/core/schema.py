@@ -59,13 +59,23 @@ class Example(BaseModel):
     grounding_passages: list[str] = Field(default_factory=list)
     passages: list[Passage] = Field(default_factory=list)
     meta: dict[str, Any] = Field(default_factory=dict)
+    decision_only: bool = Field(
+        False, description="A positive whose decision is known but whose question is not (e.g. the user "
+                           "reformulated after a silent answer): trained and scored on the decision only.")
 
     _query_not_blank = field_validator("query")(_not_blank_query)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Example":
-        if self.needs_clarification and not (self.clarifying_question or "").strip():
-            raise ValueError("needs_clarification is true but clarifying_question is empty")
+        if self.decision_only:
+            if not self.needs_clarification:
+                raise ValueError("decision_only is for positives: needs_clarification must be true")
+            if (self.clarifying_question or "").strip() or self.grounding_turns or self.grounding_passages:
+                raise ValueError("a decision_only example has no clarifying_question or grounding")
+            self.clarifying_question = None
+        elif self.needs_clarification and not (self.clarifying_question or "").strip():
+            raise ValueError("needs_clarification is true but clarifying_question is empty "
+                             "(set decision_only: true for a positive without a question)")
         if not self.needs_clarification:
             # The contract says the question is null for clear turns; tolerate and drop a stray one.
             self.clarifying_question = None
@@ -95,6 +105,7 @@ class TurnLabel(BaseModel):
     clarifying_question: str | None = None
     grounding_turns: list[int] = Field(default_factory=list)
     grounding_passages: list[str] = Field(default_factory=list)
+    decision_only: bool = False  # see Example.decision_only
 
 
 class LogTurn(Turn):

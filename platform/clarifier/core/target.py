@@ -175,6 +175,14 @@ def try_parse_target(text: str, **kw) -> tuple[JointTarget | None, str | None]:
         return None, str(exc)
 
 
+def example_segments(ex) -> list[tuple[str, str]]:
+    """The gold target of a ``schema.Example`` as :func:`render_segments` pieces; a ``decision_only``
+    positive (no question known) is only ``decision: clarify`` and its newline."""
+    if getattr(ex, "decision_only", False):
+        return [("format", DECISION_PREFIX), ("decision", f" {CLARIFY}\n")]
+    return render_segments(target_from_example(ex))
+
+
 def target_from_example(ex) -> JointTarget:
     """The gold JointTarget of a ``schema.Example``."""
     return JointTarget(

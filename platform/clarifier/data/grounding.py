@@ -87,8 +87,8 @@ class SilverGrounder:
         self.compare = compare_with_gold
 
     def ground(self, examples: list[Example]) -> list[list[int] | None]:
-        """Silver turns for each example (None where not applicable: clear turn or no history)."""
-        jobs = [(k, ex) for k, ex in enumerate(examples) if ex.needs_clarification and ex.history]
+        """Silver turns for each example (None where not applicable: clear turn, no question, no history)."""
+        jobs = [(k, ex) for k, ex in enumerate(examples) if ex.needs_clarification and not ex.decision_only and ex.history]
         texts: list[str] = []
         for _, ex in jobs:
             texts.append(ex.clarifying_question or "")
@@ -109,7 +109,7 @@ class SilverGrounder:
         examples = [Example.model_validate_json(r["example_json"]) for r in rows]
         todo = [
             k for k, (r, ex) in enumerate(zip(rows, examples))
-            if r.get("status", "ok") == "ok" and ex.needs_clarification and ex.history
+            if r.get("status", "ok") == "ok" and ex.needs_clarification and not ex.decision_only and ex.history
             and (not ex.grounding_turns or self.compare)
         ]
         silver = self.ground([examples[k] for k in todo])

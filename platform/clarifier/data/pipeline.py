@@ -462,7 +462,10 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
     progress(
         f"[data] wrote {kept_total} examples ("
         + ", ".join(f"{s}={c['examples']}" for s, c in split_counts.items())
-        + f"), filtered {filtered_total} {counts['filtered_by_reason']}, quarantined {quarantined}"
+        + ")"
+        + (f", filtered {filtered_total} (" + ", ".join(f"{r} {n}" for r, n in counts["filtered_by_reason"].items()) + ")"
+           if filtered_total else "")
+        + f", quarantined {quarantined}"
     )
     if not all(invariants.values()):
         progress(f"[data] WARNING: count invariant broken: {invariants}")

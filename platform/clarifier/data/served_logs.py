@@ -14,12 +14,15 @@ in the example's ``meta.labelling_rule`` (:data:`RULES`):
 * ``missed_app_asked`` -- Clarifier stayed silent, but the app's ``reply`` is a clarifying question
   (the data.labelling rules) and the user answered it: **positive**, the target is the app's question
   (a missed clarification);
+* ``missed_reformulated`` -- Clarifier stayed silent, the app answered and the user then restated the
+  request (``next`` is a reformulation of the query): **positive**, a missed clarification. No question
+  was asked, so there is none to learn: the example is ``decision_only`` (trained and scored on the
+  decision alone, see ``core.schema.Example``);
 * ``served_silent_continued`` -- Clarifier stayed silent, the app answered and the user went on with
   something else (``next`` is not a reformulation of the query): **negative**.
 
-Turns that get no label are counted by reason (:data:`SKIP_REASONS`): ``missed_reformulated`` (silent,
-and the user restated the request: a missed clarification, but there is no question to learn; counted so
-that the miss rate is visible), ``no_follow_up`` (the conversation ends there), ``question_not_shown``
+Turns that get no label are counted by reason (:data:`SKIP_REASONS`): ``no_follow_up`` (the conversation
+ends there), ``question_not_shown``
 (Clarifier asked, the app said something else), ``clarification_unanswered``, ``not_served`` (a user turn
 no request of the log answered, e.g. from before logging began), ``text_mismatch`` (a request's query is
 not the text at its turn index in the longest request: the client edited history).
@@ -44,10 +47,11 @@ RULES = {
     "served_question_answered": "Clarifier asked, the app showed the question and the user answered: positive "
                                 "(silver target: the model's own question)",
     "missed_app_asked": "Clarifier stayed silent, the app asked a clarifying question the user answered: positive",
+    "missed_reformulated": "Clarifier stayed silent and the user restated the request: positive (a miss), "
+                           "decision only (no question to learn)",
     "served_silent_continued": "Clarifier stayed silent, the app answered and the user went on: negative",
 }
 SKIP_REASONS = {
-    "missed_reformulated": "Clarifier stayed silent and the user restated the request: a miss, no question to learn",
     "no_follow_up": "the conversation ends after this turn (or after the app's reply): outcome unknown",
     "question_not_shown": "Clarifier asked, but the app's next turn is not that question",
     "clarification_unanswered": "a clarifying question was shown but the user did not reply",
@@ -153,7 +157,8 @@ def label_served(log: ConversationLog, rules: LabellingConfig, min_overlap: floa
         elif k is None:
             skipped["no_follow_up"] += 1
         elif is_reformulation(turn.text, turns[k].text, min_overlap):
-            skipped["missed_reformulated"] += 1
+            examples.append(Example(**common, needs_clarification=True, decision_only=True,
+                                    meta={**meta, "labelling_rule": "missed_reformulated"}))
         else:
             examples.append(Example(**common, needs_clarification=False,
                                     meta={**meta, "labelling_rule": "served_silent_continued"}))

@@ -28,7 +28,8 @@ def fingerprint_examples(examples: list[Example]) -> str:
     """Identity of an evaluation set: sha256 over the examples' canonical JSON, in order."""
     h = hashlib.sha256()
     for e in examples:
-        h.update(e.model_dump_json().encode())
+        # decision_only is left out when false, so sets from before the field keep their fingerprint
+        h.update(e.model_dump_json(exclude=None if e.decision_only else {"decision_only"}).encode())
         h.update(b"\n")
     return h.hexdigest()
 

@@ -272,7 +272,9 @@ def forward_loss(model, b: dict, decision: DecisionLoss | None = None):
 def canonical_train_table(table, part: str | None, packed: bool = False):
     """The train split's token columns in the canonical order the data order is defined on (by
     example id; packed blocks by their first example id), whatever order the reader delivered them
-    in. Pipeline parts that train only clarification segments keep only the examples that have them."""
+    in. Pipeline parts that train only clarification segments keep only the examples that have them
+    (not the clear turns, nor ``decision_only`` positives, whose target is the decision alone)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     if packed:
@@ -280,7 +282,10 @@ def canonical_train_table(table, part: str | None, packed: bool = False):
         return table.take(pc.sort_indices(table.append_column("_first", first), sort_keys=[("_first", "ascending")]))
     table = table.take(pc.sort_indices(table, sort_keys=[("id", "ascending")]))
     if part in ("how", "what"):
-        table = table.filter(pc.equal(table["needs_clarification"], True))
+        segs = table["segment_ids"].combine_chunks()
+        wanted = pc.is_in(pc.list_flatten(segs), value_set=pa.array([SEGMENT_IDS[s] for s in PIPELINE_PARTS[part]]))
+        rows = pc.unique(pc.filter(pc.list_parent_indices(segs), wanted))  # ascending: parents are in order
+        table = table.take(rows)
     return table
 
 

@@ -76,7 +76,7 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
         raise ValueError(f"train.balance={t.balance} reorders single examples; set data.packing.enabled=false")
     mix = training_mix(t.balance, train_counts)
     if mix["source_only_auroc"] is not None:
-        progress(f"[train] training mix ({t.balance}): {mix['clarify']}/{mix['examples']} need a question per epoch; "
+        progress(f"[train] training mix (train.balance={t.balance}): {mix['clarify']}/{mix['examples']} need a question per epoch; "
                  f"source-only control AUROC {mix['source_only_auroc']:.3f}"
                  + (f" (natural mix {mix['source_only_auroc_natural']:.3f})" if t.balance != "none" else ""))
     decision = resolve_decision_loss(cfg, mix)  # fails early on clarify_weight=auto without both classes
@@ -116,8 +116,7 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
     tracking: dict[str, dict] = {}  # MLflow run id -> tracking stats of the fit that logged to it
     dataset = train_dataset(cfg)  # read once; pipeline parts pick their rows in the workers
     if t.variant == "joint":
-        result = _fit(cfg, None, run_id, tracking_uri, decision, ray_name, storage_path, dataset, n_train, progress,
-                      callbacks)
+        result = _fit(cfg, None, run_id, tracking_uri, decision, ray_name, storage_path, dataset, progress, callbacks)
         steps = _copy_model(result, out)
         tracking[run_id] = _tracking_stats(result)
     else:
@@ -126,7 +125,7 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
         for part in PIPELINE_PARTS:
             child = _child_run(run_id, part, t.experiment)
             result = _fit(cfg, part, child, tracking_uri, decision if part == "when" else DecisionLoss(),
-                          f"{ray_name}-{part}", storage_path, dataset, n_train, progress, callbacks)
+                          f"{ray_name}-{part}", storage_path, dataset, progress, callbacks)
             steps += _copy_model(result, out / part)
             tracking[child] = {**_tracking_stats(result), "part": part}
             parts[part] = {"folder": part, "segments": list(PIPELINE_PARTS[part]), "mlflow_run_id": child}
@@ -295,16 +294,15 @@ def train_dataset(cfg: ClarifierConfig):
 
 
 def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str | None, decision, ray_name: str,
-         storage_path: str, dataset, n_train: int, progress, callbacks=()):
+         storage_path: str, dataset, progress, callbacks=()):
     from clarifier.runtime.relay import ProgressRelay
 
     with ProgressRelay(progress) as relay:  # the workers' step lines, to this process's progress
-        return _fit_with(cfg, part, run_id, tracking_uri, decision, ray_name, storage_path, dataset, n_train,
-                         progress, callbacks, relay.handle)
+        return _fit_with(cfg, part, run_id, tracking_uri, decision, ray_name, storage_path, dataset, callbacks,
+                         relay.handle)
 
 
-def _fit_with(cfg, part, run_id, tracking_uri, decision, ray_name, storage_path, dataset, n_train, progress,
-              callbacks, relay_handle):
+def _fit_with(cfg, part, run_id, tracking_uri, decision, ray_name, storage_path, dataset, callbacks, relay_handle):
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -325,8 +323,6 @@ def _fit_with(cfg, part, run_id, tracking_uri, decision, ray_name, storage_path,
                              failure_config=FailureConfig(max_failures=t.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=t.keep_checkpoints)),
     )
-    progress(f"[train] TorchTrainer: {t.num_workers} workers, ZeRO-{t.zero_stage}, {t.max_steps} steps"
-             f"{f', pipeline part {part!r}' if part else ''}, {n_train} training examples; MLflow run {run_id}")
     result = trainer.fit()
     if result.error:
         raise result.error
