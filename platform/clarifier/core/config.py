@@ -8,7 +8,6 @@ A wrong key or a wrong type is a ``ConfigError`` that names the dotted key (and 
 from __future__ import annotations
 
 import difflib
-
 import re
 from pathlib import Path
 from typing import Any, Literal
