@@ -38,7 +38,8 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
                   "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}},
         "train": {"num_workers": 1, "zero_stage": 2, "max_steps": 2, "micro_batch_size": 2, "warmup_steps": 1,
                   "decision_loss": {"kind": "weighted", "clarify_weight": "auto"}, "experiment": "recipe-test",
-                  "balance": "source_class", "learning_curve": {"every": 1, "examples_per_source": 4}},
+                  "balance": "source_class", "learning_curve": {"every": 1, "examples_per_source": 4},
+                  "decision_head": {"enabled": True, "max_per_source": 8, "c_grid": [0.01, 1.0]}},
         "eval": {"batch_size": 4, "max_new_tokens": 8, "semantic_encoder": None},
     }
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(recipe))
@@ -46,6 +47,7 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
         "recipe": str(tmp_path / "tiny.yaml"),
         "eval_per_source": 5,
         "zero_shot": {"zero_shot_tiny": str(tiny_model_dir)},
+        "probes": {"probe_tiny": str(tiny_model_dir)},
         "variants": {"joint": [], "joint_no_class_weighting": ["train.decision_loss.kind=ce"]},
         "encoders": {"encoder_tiny": {"base_model": str(tiny_bert), "max_steps": 3, "batch_size": 4, "max_length": 128,
                                       "leave_one_out_max_minutes": 5}},
@@ -59,7 +61,8 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
 
     # every row, scored on the same evaluation set, overall and per source
     assert list(result["rows"]) == ["never_ask", "always_ask", "lexical", "source_only", "zero_shot_tiny", "joint",
-                                    "joint_no_class_weighting", "encoder_tiny"]
+                                    "joint_tokens", "joint_no_class_weighting", "joint_no_class_weighting_tokens",
+                                    "probe_tiny", "encoder_tiny"]
     by_source = result["eval_set"]["by_source"]
     assert set(by_source) == {"clariq", "pacific", "synthetic"} and all(v["n"] <= 5 for v in by_source.values())
     n = result["eval_set"]["n"]
@@ -81,6 +84,14 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     assert zs["calibration"]["rule"] == "over_asking<=0.1" and zs["calibration"]["n"] > 0  # the product's default
     joint = result["rows"]["joint"]
     assert joint["steps"] == 2 and 0.0 <= joint["threshold"] <= 1.0
+    # the joint model decides from its decision head; the same model deciding from its decision tokens is a row too
+    assert joint["decided_by"] == "decision head" and joint["decision_head"]["n_train"] > 0
+    tokens = result["rows"]["joint_tokens"]
+    assert tokens["kind"] == "tokens" and tokens["run_id"] == joint["run_id"] and tokens["decided_by"] == "decision tokens"
+    assert tokens["calibration"]["rule"] == "over_asking<=0.1"
+    assert tokens["calibration"]["n"] == result["data"]["counts"]["splits"]["dev"]["examples"]
+    probe = result["rows"]["probe_tiny"]  # the untrained base + a head fitted on the train split
+    assert probe["kind"] == "probe" and probe["decision_head"]["layers"] == [1, 2] and "dev_scores" not in probe["decision_head"]
     enc = result["rows"]["encoder_tiny"]  # trained on the train split, calibrated on dev, saved under the work folder
     assert enc["kind"] == "encoder" and enc["steps"] == 3 and enc["threshold"] == enc["calibration"]["threshold"]
     assert enc["calibration"]["rule"] == "over_asking<=0.1" and enc["train_examples"] == result["data"]["counts"]["splits"]["train"]["examples"]
@@ -135,6 +146,7 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     assert "## Learning curve" in md and (tmp_path / "out" / "report-learning-curve.png").stat().st_size > 1000
     assert "| zero_shot_tiny | zero-shot |" in md
     assert "| encoder_tiny | encoder |" in md
+    assert "## Decision heads" in md and "| probe_tiny | probe | 1, 2 |" in md
     assert "| clariq | encoder_tiny without clariq |" in md and "## Encoder rows" in md
     assert result["benchmark"] == "recipe-plan" and md.startswith(f"# Recipe benchmark: plan (recipe {tmp_path / 'tiny.yaml'})")
     assert any("data job" in m for m in messages)

@@ -145,8 +145,10 @@ def test_pipeline_variant_trains_three_adapters_that_compose(prepared, mlflow_se
 
     cfg = build_config({}, [*prepared, "train.experiment=variants", "train.variant=pipeline", "train.max_steps=2",
                             "train.checkpoint_every=0", "train.decision_loss.kind=weighted",
-                            "eval.calibration_split=dev"])
-    res = train(cfg, progress=print)
+                            "eval.calibration_split=dev", "train.decision_head.enabled=true",
+                            "train.decision_head.max_per_source=24"])
+    lines: list[str] = []
+    res = train(cfg, progress=lambda m: (lines.append(m), print(m)))
     folder = Path(res.model_dir)
     spec = json.loads((folder / "pipeline.json").read_text())
     assert set(spec["parts"]) == {"when", "how", "what"} and res.steps == 6
@@ -159,6 +161,11 @@ def test_pipeline_variant_trains_three_adapters_that_compose(prepared, mlflow_se
     assert run.data.tags["clarifier.variant"] == "pipeline"
     assert run.data.tags["clarifier.decision_loss"].startswith(f"weighted clarify_weight={auto:.4g}")
     assert "calibration/threshold" in run.data.metrics
+    # The decision head was fitted on the "when" adapter's states, and the threshold calibrated on its scores.
+    assert (folder / "decision_head.safetensors").is_file() and run.data.metrics["decision_head/n_train"] == 24
+    assert run.data.tags["decision_head.layers"] == "1,2"
+    assert any(m.startswith("[head] kept C=") for m in lines)
+    assert any(m.startswith("[calibrate] threshold") and m.endswith("by the decision head") for m in lines)
     children = client.search_runs([run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{res.run_id}'")
     assert {c.data.tags["clarifier.part"]: spec["parts"][c.data.tags["clarifier.part"]]["mlflow_run_id"] == c.info.run_id
             for c in children} == {"when": True, "how": True, "what": True}
@@ -166,7 +173,7 @@ def test_pipeline_variant_trains_three_adapters_that_compose(prepared, mlflow_se
         assert [m.step for m in client.get_metric_history(c.info.run_id, "train/loss")] == [1, 2]
 
     engine = load_engine(folder, max_new_tokens=12)
-    assert isinstance(engine, PipelineEngine)
+    assert isinstance(engine, PipelineEngine) and engine.decision_head is not None
     examples = load_split(cfg.data.output, "dev")[:4]
     preds = engine.predict(examples, batch_size=4, threshold=0.0)  # threshold 0: every example is decoded
     assert len(preds) == 4 and all(0.0 <= p.confidence <= 1.0 for p in preds)

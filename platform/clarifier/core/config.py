@@ -247,6 +247,36 @@ class LearningCurveConfig(_Strict):
     batch_size: int = Field(8, ge=1)
 
 
+class DecisionHeadConfig(_Strict):
+    enabled: bool = Field(
+        False, description="After training, fit a decision head: a logistic regression on the model's hidden states "
+                           "at the decision position (several layers), on a sample of the train split, its strength "
+                           "chosen on the calibration split by the mean within-source AUROC. The model then decides "
+                           "from it instead of the two decision-token logits (same single prefill).")
+    layers: list[float] = Field(
+        [0.25, 0.5, 0.75, 1.0], min_length=1,
+        description="Depths whose states it reads, as fractions of the model's layers (1.0 = the last layer).")
+    max_per_source: int = Field(600, ge=2, description="Train examples per source it is fitted on (seeded; half need "
+                                                       "a question where the source has enough).")
+    c_grid: list[float] = Field([1e-4, 3e-4, 1e-3, 3e-3, 1e-2], min_length=1,
+                                description="Inverse L2 strengths tried (on standardised features).")
+    batch_size: int = Field(8, ge=1)
+
+    @field_validator("layers")
+    @classmethod
+    def _fractions(cls, v):
+        if any(not 0 < f <= 1 for f in v):
+            raise ValueError("layers are depth fractions in (0, 1]")
+        return v
+
+    @field_validator("c_grid")
+    @classmethod
+    def _positive_c(cls, v):
+        if any(c <= 0 for c in v):
+            raise ValueError("every C must be > 0")
+        return v
+
+
 class TrainConfig(_Strict):
     num_workers: int = Field(2, ge=1)
     use_gpu: bool = False
@@ -268,6 +298,7 @@ class TrainConfig(_Strict):
     loss_weights: LossWeights = LossWeights()
     decision_loss: DecisionLossConfig = DecisionLossConfig()
     learning_curve: LearningCurveConfig = LearningCurveConfig()
+    decision_head: DecisionHeadConfig = DecisionHeadConfig()
     balance: Literal["none", "source_class"] = Field(
         "none", description="The training mixture. none: every train row once per epoch; source_class: inside every "
                             "source half the rows need a question and half are clear (minority class drawn again, "

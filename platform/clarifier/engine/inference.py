@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from clarifier.engine.decision_head import DecisionHead, features
 from clarifier.engine.target_constraint import TargetConstraint, grammar_for, vocab_index
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from clarifier.engine.precision import place, resolve_precision, torch_dtype
@@ -52,6 +53,9 @@ class ModelMeta:
     # The decision's confusion counts at ``threshold`` on the calibration split ({split, n, tp, fn, tn, fp, rule}):
     # what the audit corrects its estimates with when it has nothing better. None: not calibrated.
     calibration: dict | None = None
+    # How the decision head (decision_head.safetensors) was fitted ({layers, c, n_train, dev_auroc, ...}); None:
+    # the decision is read from the two decision-token logits.
+    decision_head: dict | None = None
     format_version: int = FORMAT_VERSION
 
     def prompt_options(self) -> PromptOptions:
@@ -125,7 +129,7 @@ class ClarifierEngine:
 
     def __init__(self, model, tokenizer, *, threshold: float = 0.5, version: str = "local",
                  prompt_opts: PromptOptions | None = None, max_new_tokens: int = 48,
-                 constrain_target: bool = True):
+                 constrain_target: bool = True, decision_head: DecisionHead | None = None):
         import torch
 
         self.model = model.eval()
@@ -148,6 +152,9 @@ class ClarifierEngine:
         self.clarify_id, self.answer_id = ids_c[len(prefix)], ids_a[len(prefix)]
         if self.clarify_id == self.answer_id:
             raise ValueError("'clarify' and 'answer' share their first token; cannot score the decision")
+        if decision_head is not None:
+            decision_head.check(model.config.num_hidden_layers, model.config.hidden_size)
+        self.decision_head = decision_head
 
     @property
     def precision(self) -> str:
@@ -159,9 +166,10 @@ class ClarifierEngine:
     @classmethod
     def from_folder(cls, folder: str | Path, *, version: str = "local", cache_dir=None,
                     threshold: float | None = None, max_new_tokens: int = 48, precision: str = "auto",
-                    device: str = "cpu") -> "ClarifierEngine":
+                    device: str = "cpu", decision_head: bool = True) -> "ClarifierEngine":
         """Load a joint Clarifier model folder: base model + LoRA adapter (merged for speed), or the fully
-        fine-tuned weights, in ``precision`` (``auto`` / ``bf16`` / ``fp32``, resolved for ``device``).
+        fine-tuned weights, in ``precision`` (``auto`` / ``bf16`` / ``fp32``, resolved for ``device``), with
+        its decision head when it has one (``decision_head=False``: decide from the decision-token logits).
         Any model URI, pipeline folders included: :func:`clarifier.engine.loading.load_engine`."""
         folder = Path(folder)
         refuse_pickles(folder)
@@ -169,7 +177,8 @@ class ClarifierEngine:
         model = load_weights(folder, meta, cache_dir, torch_dtype(resolve_precision(precision, device)))
         tok = load_tokenizer(str(folder))
         return cls(place(model, device), tok, threshold=meta.threshold if threshold is None else threshold,
-                   version=version, prompt_opts=meta.prompt_options(), max_new_tokens=max_new_tokens)
+                   version=version, prompt_opts=meta.prompt_options(), max_new_tokens=max_new_tokens,
+                   decision_head=DecisionHead.load(folder) if decision_head else None)
 
     @classmethod
     def from_base(cls, base_model: str, *, cache_dir=None, threshold: float = 0.5,
@@ -190,8 +199,9 @@ class ClarifierEngine:
         enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return {k: v.to(self.device) for k, v in enc.items()}
 
-    def _decide(self, items: list[tuple], keep_cache: bool = False) -> tuple[list[float], DecisionPass | None]:
-        """P(clarify) per item from one forward pass over ``prompt + "decision:"``.
+    def _decision_pass(self, items: list[tuple], keep_cache: bool = False, layers: list[int] | None = None):
+        """One forward pass over ``prompt + "decision:"``: ``(P(clarify) from the decision tokens, the hidden
+        states of ``layers`` at the last position or None, DecisionPass)``.
 
         The two decision logits are computed in float32 from the final hidden state (a bf16 model's
         own logits are rounded to 8 bits of mantissa, too coarse for a calibrated threshold). With
@@ -208,7 +218,7 @@ class ClarifierEngine:
                 # Only the last position's logits: with a large vocabulary (Gemma: 262k) the full
                 # [batch, length, vocab] tensor would cost most of the time and gigabytes of memory.
                 out = self.model(**enc, position_ids=positions_from_mask(enc["attention_mask"]), logits_to_keep=1,
-                                 use_cache=keep_cache)
+                                 use_cache=keep_cache, output_hidden_states=layers is not None)
                 hidden = captured["h"][:, -1, :].float()
                 rows = [self.clarify_id, self.answer_id]
                 pair = hidden @ head.weight[rows].float().T
@@ -218,11 +228,27 @@ class ClarifierEngine:
                 if cap:
                     pair = torch.tanh(pair / cap) * cap
                 probs = torch.softmax(pair, dim=-1)[:, 0]
+                feats = features(out.hidden_states, layers) if layers is not None else None
         finally:
             hook.remove()
         state = DecisionPass(enc["input_ids"], enc["attention_mask"], out.past_key_values if keep_cache else None,
                              [int(n) for n in enc["attention_mask"].sum(dim=1)])
+        return probs, feats, state
+
+    def _decide(self, items: list[tuple], keep_cache: bool = False) -> tuple[list[float], DecisionPass | None]:
+        """P(clarify) per item -- from the decision head when the model has one, else from the decision
+        tokens -- and the pass's state (see :meth:`_decision_pass`)."""
+        dh = self.decision_head
+        probs, feats, state = self._decision_pass(items, keep_cache, dh.layers if dh else None)
+        if dh is not None:
+            probs = dh.probability(feats)
         return [float(x) for x in probs], state
+
+    def decision_features(self, items: list[tuple], layers: list[int]) -> tuple[list[float], Any]:
+        """``(P(clarify) from the decision tokens, [n, len(layers) * hidden] float32 features)`` for
+        ``(history, query, passages)`` items: what a decision head is fitted on (one forward pass)."""
+        probs, feats, _ = self._decision_pass(items, False, layers)
+        return [float(x) for x in probs], feats
 
     def score(self, items: list[tuple]) -> list[float]:
         """P(clarify) for ``(history, query, passages)`` items: one forward pass per batch."""

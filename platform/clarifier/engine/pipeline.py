@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from clarifier.engine.decision_head import DecisionHead
 from clarifier.engine.inference import ClarifierEngine, read_meta, refuse_pickles
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from clarifier.engine.precision import place, resolve_precision, torch_dtype
@@ -44,7 +45,7 @@ class PipelineEngine(ClarifierEngine):
     @classmethod
     def from_folder(cls, folder: str | Path, *, version: str = "local", cache_dir=None,
                     threshold: float | None = None, max_new_tokens: int = 48, precision: str = "auto",
-                    device: str = "cpu") -> "PipelineEngine":
+                    device: str = "cpu", decision_head: bool = True) -> "PipelineEngine":
         from peft import PeftModel
 
         folder = Path(folder)
@@ -63,11 +64,12 @@ class PipelineEngine(ClarifierEngine):
         tok = load_tokenizer(str(folder / parts["when"]["folder"]))
         model = place(model.to(torch_dtype(resolve_precision(precision, device))), device)
         return cls(model, tok, threshold=meta.threshold if threshold is None else threshold, version=version,
-                   prompt_opts=meta.prompt_options(), max_new_tokens=max_new_tokens)
+                   prompt_opts=meta.prompt_options(), max_new_tokens=max_new_tokens,
+                   decision_head=DecisionHead.load(folder) if decision_head else None)  # read with "when"'s states
 
-    def _decide(self, items: list[tuple], keep_cache: bool = False):
+    def _decision_pass(self, items: list[tuple], keep_cache: bool = False, layers: list[int] | None = None):
         self.model.set_adapter("when")
-        return super()._decide(items, keep_cache)
+        return super()._decision_pass(items, keep_cache, layers)
 
     def _continue(self, texts: list[str], adapter: str, one_line: bool, items, written=None) -> list[str]:
         self.model.set_adapter(adapter)

@@ -29,6 +29,7 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from clarifier.core.config import ClarifierConfig, ConfigError, load_config, validation_messages
+from clarifier.core.prompt import PromptOptions
 from clarifier.recipes import PLANS_DIR, recipe_path
 from clarifier.train.encoder_classifier import EncoderClassifierConfig
 
@@ -86,6 +87,14 @@ class BenchmarkPlan(_Strict):
     keep_models: list[str] = Field(["joint"], description="Rows whose trained model folder is kept under "
                                                           "<workdir>/models/<row> (for `clarifier models package`); "
                                                           "the others are deleted after evaluation (MLflow keeps them).")
+    decision_token_rows: bool = Field(
+        True, description="For every trained row whose model has a decision head (train.decision_head), also a row "
+                          "'<name>_tokens': the same model deciding from its decision-token logits (threshold chosen on "
+                          "dev by the same rule; decision only), so the head's effect is measured on one model.")
+    probes: dict[str, str] = Field(
+        default_factory=dict, description="Row name -> base model: the untrained base with a decision head fitted on the "
+                                          "train split (the recipe's train.decision_head settings; kind 'probe', decision "
+                                          "only): what the head reads without any fine-tuning.")
     source_only: bool = Field(True, description="Add the source-only control row (scores a turn by its source's clarify "
                                                 "share in the train split) and the control on the training mix.")
 
@@ -170,6 +179,13 @@ def _train(cfg: ClarifierConfig, progress: Progress) -> dict:
             "seconds": round(time.time() - t0, 1), "learning_curve": learning_curve(res.run_id)}
 
 
+def _head_summary(model_dir: str) -> dict | None:
+    """How the model's decision head was fitted (its ``clarifier.json``), or None without one."""
+    from clarifier.engine.inference import read_meta
+
+    return read_meta(model_dir).decision_head
+
+
 def learning_curve(run_id: str) -> list[dict]:
     """The run's ``train.learning_curve`` points from MLflow: ``[{"step", "dev/macro_auroc", ...}]``."""
     from mlflow import MlflowClient
@@ -206,6 +222,49 @@ def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progres
     else:
         shutil.rmtree(model_dir, ignore_errors=True)
     return preds, thr, round(time.time() - t0, 1)
+
+
+def _scored_row(engine, dev: list, examples: list, cfg: ClarifierConfig, progress: Progress,
+                dev_scores: list[float] | None = None) -> tuple[list, dict]:
+    """Decision-only predictions of ``engine`` on ``examples``, at a threshold chosen on ``dev`` by the
+    recipe's rule (on ``dev_scores`` when already computed)."""
+    from clarifier.core.metrics import Prediction
+    from clarifier.train.calibrate import choose_threshold
+
+    t0 = time.time()
+    gold = [e.needs_clarification for e in dev]
+    if dev_scores is None:
+        dev_scores = engine.score_examples(dev, cfg.eval.batch_size)
+    thr, rule = choose_threshold(gold, dev_scores, cfg.eval.max_over_asking)
+    progress(f"[calibrate] threshold {thr:.3f} ({rule}) from {len(dev)} dev examples")
+    scores = engine.score_examples(examples, cfg.eval.batch_size,
+                                   lambda d, n: progress(f"[eval] {d}/{n}") if d == n or d % 64 == 0 else None)
+    info = {"threshold": thr, "calibration": {"threshold": thr, "rule": rule, "n": len(dev)},
+            "eval_seconds": round(time.time() - t0, 1)}
+    return [Prediction(needs_clarification=p >= thr, confidence=p) for p in scores], info
+
+
+def _predict_tokens(model_dir: str, dev: list, examples: list, cfg: ClarifierConfig, progress: Progress) -> tuple[list, dict]:
+    """A model with a decision head, deciding from its decision-token logits instead (decision only)."""
+    from clarifier.engine.loading import load_engine
+
+    engine = load_engine(model_dir, cache_dir=cfg.model.cache_dir, precision=cfg.model.precision, decision_head=False)
+    return _scored_row(engine, dev, examples, cfg, progress)
+
+
+def _predict_probe(base_model: str, train: list, dev: list, examples: list, cfg: ClarifierConfig,
+                   progress: Progress) -> tuple[list, dict]:
+    """The untrained ``base_model`` with a decision head fitted on ``train`` (decision only)."""
+    from clarifier.engine.inference import ClarifierEngine
+    from clarifier.train.decision_head import fit_head
+
+    engine = ClarifierEngine.from_base(base_model, cache_dir=cfg.model.cache_dir,
+                                       prompt_opts=PromptOptions(max_prompt_tokens=cfg.model.max_prompt_tokens),
+                                       precision=cfg.model.precision)
+    head, fit = fit_head(engine, train, dev, cfg.train.decision_head, seed=cfg.train.seed, progress=progress)
+    engine.decision_head = head
+    preds, info = _scored_row(engine, dev, examples, cfg, progress, dev_scores=fit.pop("dev_scores"))
+    return preds, {**info, "base_model": base_model, "decision_head": fit}
 
 
 def _predict_zero_shot(base_model: str, examples: list, cfg: ClarifierConfig,
@@ -342,7 +401,7 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
             add_row(name, "rule", baseline_predictions(name, examples))
     # The train and calibration splits as examples, read once for the rows fitted in this process.
     calibration = base.eval.calibration_split
-    need_splits = plan.source_only or bool(plan.encoders)
+    need_splits = plan.source_only or bool(plan.encoders) or bool(plan.probes) or plan.decision_token_rows
     train_split = load_split(base.data.output, "train") if need_splits else []
     dev_split = load_split(base.data.output, calibration) if need_splits and calibration else []
     train_mix = {}
@@ -366,11 +425,23 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
         cfg = _variant_cfg(base, plan.recipe, plan, name, extra, workdir)
         with clock.stage(f"train {name} ({' '.join(extra) or 'the recipe'})"):
             tr = _train(cfg, progress)
+        head, tokens = _head_summary(tr["model_dir"]), None
+        if head and plan.decision_token_rows and dev_split:
+            with clock.stage(f"evaluate {name} deciding from its decision tokens"):
+                tokens = _predict_tokens(tr["model_dir"], dev_split, examples, cfg, progress)
         with clock.stage(f"evaluate {name}"):
             keep = workdir / "models" / name if name in plan.keep_models else None
             preds, thr, secs = _predict_model(tr.pop("model_dir"), examples, cfg, progress, keep)
             add_row(name, "trained", preds, overrides=extra, threshold=thr, eval_seconds=secs, **tr,
-                    **({"model_dir": str(keep)} if keep else {}))
+                    decided_by="decision head" if head else "decision tokens",
+                    **({"decision_head": head} if head else {}), **({"model_dir": str(keep)} if keep else {}))
+        if tokens:
+            add_row(f"{name}_tokens", "tokens", tokens[0], overrides=extra, decided_by="decision tokens",
+                    run_id=tr["run_id"], steps=tr["steps"], **tokens[1])
+    for name, model in plan.probes.items():
+        with clock.stage(f"probe {name} ({model} + decision head)"):
+            preds, info = _predict_probe(model, train_split, dev_split, examples, base, progress)
+            add_row(name, "probe", preds, **info)
 
     for name, enc in plan.encoders.items():
         with clock.stage(f"encoder {name} ({enc.base_model}): train, calibrate, evaluate"):

@@ -2,8 +2,8 @@
 
 Writes ``<out>/<name>/``: the LoRA adapter as **bf16** safetensors (half the size of the fp32 master
 weights training saves; the engine merges it into the base model in its own precision), the
-adapter config, ``clarifier.json`` (base model, calibrated threshold, prompt options), the tokenizer
-files, and ``MODEL_CARD.md`` + ``card.json``: base model and its license, training data and their
+adapter config, ``clarifier.json`` (base model, calibrated threshold, prompt options), the decision
+head when the model has one (``decision_head.safetensors``, float32, ~10 KB), the tokenizer files, and ``MODEL_CARD.md`` + ``card.json``: base model and its license, training data and their
 licenses, recipe and commit, metrics with the evaluation set's fingerprint, the threshold and its
 over-asking budget, date. Refuses pipeline folders, fully fine-tuned weights (hundreds of MB) and
 anything over ``max_mb``.
@@ -17,9 +17,10 @@ import shutil
 from pathlib import Path
 
 from clarifier.engine.builtin import BUILTIN_DIR, CARD_FILE
+from clarifier.engine.decision_head import HEAD_FILE
 
 ADAPTER = "adapter_model.safetensors"
-COPIED = ("adapter_config.json", "clarifier.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+COPIED = ("adapter_config.json", "clarifier.json", HEAD_FILE, "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
           "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 BASE_LICENSES = {"smollm2-135m-instruct": "Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
                  "gemma3-270m": "Gemma Terms of Use (google/gemma-3-270m)"}
@@ -86,7 +87,10 @@ def model_card(name: str, meta, result: dict | None, row: str) -> dict:
     card = {"name": name, "uri": f"builtin:{name}", "date": _dt.date.today().isoformat(),
             "base_model": meta.base_model, "base_model_license": BASE_LICENSES.get(meta.base_model, "see the base model"),
             "finetune": meta.finetune, "trained_precision": meta.precision, "threshold": meta.threshold,
-            "prompt": meta.prompt}
+            "prompt": meta.prompt,
+            "decision_head": ({k: meta.decision_head.get(k) for k in ("layers", "c", "n_train", "n_dev", "dev_macro_auroc",
+                                                                       "dev_macro_auroc_token")}
+                              if meta.decision_head else None)}
     if not result:
         return card
     r = result["rows"].get(row)
@@ -121,6 +125,11 @@ def card_markdown(c: dict) -> str:
              f"- Base model: {c['base_model']} ({c['base_model_license']}); {c['finetune']} adapter, trained in "
              f"{c['trained_precision']}, shipped as bf16 safetensors.",
              f"- Threshold {_f(c['threshold'])}" + (f" ({c['operating_point']['rule']})" if c.get("operating_point") else "") + "."]
+    h = c.get("decision_head")
+    lines.append(f"- Decision: a decision head (logistic regression on the hidden states of layers {h['layers']} at the "
+                 f"decision position, C={h['c']:g}, fitted on {h['n_train']} train turns; dev within-source AUROC "
+                 f"{_f(h['dev_macro_auroc'])} vs {_f(h['dev_macro_auroc_token'])} from the decision tokens)." if h else
+                 "- Decision: from the two decision-token logits.")
     if "recipe" not in c:
         return "\n".join(lines + ["", "No benchmark result was given: no metrics on record.", ""])
     code = c.get("code") or {}

@@ -30,7 +30,10 @@ GROUNDING_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
     ("ground F1", ("grounding", "f1")),
 ]
 # Rows that predict the decision only (no question, no grounding): their grounding columns read n/a.
-DECISION_ONLY_KINDS = ("zero-shot", "encoder")
+# "tokens": a trained model with a decision head, deciding from its decision tokens instead; "probe": an untrained
+# base model with a decision head.
+DECISION_ONLY_KINDS = ("zero-shot", "encoder", "tokens", "probe")
+TRAINED_KINDS = ("trained", "encoder", "tokens", "probe")  # rows fitted on the train split
 SOURCE_COLUMNS: list[tuple[str, tuple[str, ...]]] = [
     ("F1", ("decision", "f1")),
     ("over-ask", ("decision", "over_asking_rate")),
@@ -75,8 +78,8 @@ def loo_table(result: dict, compare: tuple[str, ...] = ("joint", "lexical")) -> 
             lines.append([src, f"{name} without {src}", *(fmt(_get(e["left_out"], p)) for _, p in SOURCE_COLUMNS)])
         for name, m in r["in_distribution"].items():
             kind = result["rows"][name]["kind"]
-            if name in compare or kind in ("zero-shot", "encoder"):
-                label = f"{name} (trained with {src})" if kind in ("trained", "encoder") else name
+            if name in compare or kind in DECISION_ONLY_KINDS:
+                label = f"{name} (trained with {src})" if kind in TRAINED_KINDS else name
                 lines.append([src, label, *(fmt(_get(m, p)) for _, p in SOURCE_COLUMNS)])
     return _table(["left out", "row", *(h for h, _ in SOURCE_COLUMNS)], lines)
 
@@ -177,8 +180,8 @@ def anchor_table(result: dict, src: str = ANCHOR_SOURCE) -> list[str]:
         for name, e in (loo.get("encoders") or {}).items():
             lines.append([f"{name} trained without {src}", *_anchor_cells(e["left_out"].get("decision"))])
     for name, row in result["rows"].items():
-        if row["kind"] in ("trained", "encoder", "zero-shot", "control") or name == "lexical":
-            label = f"{name} (trained with {src})" if row["kind"] in ("trained", "encoder") else name
+        if row["kind"] in (*TRAINED_KINDS, "zero-shot", "control") or name == "lexical":
+            label = f"{name} (trained with {src})" if row["kind"] in TRAINED_KINDS else name
             lines.append([label, *_anchor_cells((row["metrics"].get(src) or {}).get("decision"))])
     return _table(["row", "accuracy on ambiguous turns", "accuracy on clear turns", "macro-F1"], lines)
 
@@ -298,6 +301,20 @@ def machine() -> dict:
     return info
 
 
+def head_table(result: dict) -> list[str]:
+    lines = []
+    for name, row in result["rows"].items():
+        h = row.get("decision_head")
+        if not h:
+            continue
+        lines.append([name, row["kind"], ", ".join(map(str, h.get("layers") or [])), fmt(h.get("c")), str(h.get("n_train")),
+                      fmt(h.get("dev_macro_auroc")), fmt(h.get("dev_macro_auroc_token")), fmt(h.get("seconds"))])
+    if not lines:
+        return []
+    return _table(["row", "kind", "layers", "C", "train examples", "dev within-source AUROC (head)",
+                   "dev within-source AUROC (decision tokens)", "fit seconds"], lines)
+
+
 def headline(result: dict) -> list[str]:
     op = result.get("operating_point") or {}
     mix = result.get("train_mix") or {}
@@ -341,9 +358,16 @@ def markdown(result: dict) -> str:
              "Decision columns at each row's operating threshold (trained, zero-shot and encoder rows: chosen on the dev split by "
              "the same calibration rule; zero-shot scores are P(clarify) / (P(clarify) + P(answer))); AUROC and R@x% OA (best recall asking about at most x% of clear turns) are "
              "threshold-free; question columns on true positives; grounding on the "
-             f"{result['plan'].get('grounding_source')} examples (gold grounding). Zero-shot and encoder rows score the "
-             "decision only.",
+             f"{result['plan'].get('grounding_source')} examples (gold grounding). Zero-shot, encoder, probe and tokens "
+             "rows score the decision only.",
              ""]
+    if head_table(result):
+        lines += ["## Decision heads", "",
+                  "Rows deciding from a decision head: a logistic regression on the hidden states of several layers at "
+                  "the decision position, fitted after training on a class-balanced sample of the train split, its "
+                  "strength chosen on dev by the mean within-source AUROC (clarifier.train.decision_head). `<row>_tokens` "
+                  "is the same trained model deciding from its two decision-token logits; a `probe` row is the untrained "
+                  "base model with a head.", "", *head_table(result), ""]
     if encoder_table(result):
         lines += ["## Encoder rows", "",
                   "Rows of kind `encoder`: a small encoder (e.g. all-MiniLM-L6-v2) with a linear head, fine-tuned on the "

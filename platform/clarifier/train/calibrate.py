@@ -33,23 +33,28 @@ def choose_threshold(gold: list[bool], scores: list[float], max_over_asking: flo
 
 
 def calibrate_model(folder: str | Path, examples, *, max_over_asking: float | None = None, cache_dir=None,
-                    batch_size: int = 8, progress=print, precision: str = "auto", split: str = "dev") -> dict:
+                    batch_size: int = 8, progress=print, precision: str = "auto", split: str = "dev",
+                    scores: list[float] | None = None) -> dict:
     """Score ``examples`` with the model in ``folder`` (in ``precision``, as evaluation and serving
-    load it), choose a threshold, store it; returns a summary."""
+    load it) -- or take their ``scores`` when already computed by that model -- choose a threshold,
+    store it; returns a summary."""
     from dataclasses import replace
 
     from clarifier.engine.inference import read_meta, write_meta
-    from clarifier.engine.loading import load_engine
 
-    engine = load_engine(folder, cache_dir=cache_dir, precision=precision)
-    scores = engine.score_examples(examples, batch_size)
+    meta = read_meta(folder)
+    if scores is None:
+        from clarifier.engine.loading import load_engine
+
+        engine = load_engine(folder, cache_dir=cache_dir, precision=precision)
+        scores, precision = engine.score_examples(examples, batch_size), engine.precision
     gold = [e.needs_clarification for e in examples]
     thr, rule = choose_threshold(gold, scores, max_over_asking)
     dm = decision_metrics(gold, [s >= thr for s in scores])
     counts = {"split": split, "n": dm["n"], "tp": dm["tp"], "fn": dm["fn"], "tn": dm["tn"], "fp": dm["fp"], "rule": rule}
-    meta = read_meta(folder)
     write_meta(folder, replace(meta, threshold=thr, calibration=counts))
+    decided = "decision head" if meta.decision_head else "decision tokens"
     progress(f"[calibrate] threshold {thr:.3f} ({rule}) from {len(examples)} dev examples "
-             f"({sum(gold)} need clarification), scored in {engine.precision}")
-    return {"threshold": thr, "rule": rule, "n": len(examples), "positives": sum(gold), "precision": engine.precision,
+             f"({sum(gold)} need clarification), scored in {precision} by the {decided}")
+    return {"threshold": thr, "rule": rule, "n": len(examples), "positives": sum(gold), "precision": precision,
             "counts": counts}

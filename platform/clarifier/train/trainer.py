@@ -134,7 +134,7 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
     seconds = time.time() - t0
     summary = _tracking_summary(tracking)
     precision = read_meta(out).precision or "fp32"  # as the workers resolved model.precision on their device
-    calib = _calibrate(cfg, out, progress)
+    head, calib = _decision_head_and_threshold(cfg, out, progress)
     with mlflow.start_run(run_id=run_id):
         mlflow.log_artifacts(str(out), artifact_path="adapter")
         mlflow.log_metrics({"train/steps": steps, "train/seconds": seconds,
@@ -143,6 +143,10 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
                                if mix["source_only_auroc"] is not None else {})})
         mlflow.set_tag("clarifier.precision", precision)
         _log_tracking(tracking, run_id, summary)
+        if head:
+            mlflow.log_metrics({f"decision_head/{k}": head[k] for k in ("dev_macro_auroc", "dev_macro_auroc_token", "c",
+                                                                         "n_train", "seconds") if head[k] is not None})
+            mlflow.set_tag("decision_head.layers", ",".join(map(str, head["layers"])))
         if calib:
             mlflow.log_metrics({"calibration/threshold": calib["threshold"]})
             mlflow.set_tags({"calibration.rule": calib["rule"], "calibration.n": calib["n"]})
@@ -340,20 +344,33 @@ def _copy_model(result, out: Path) -> int:
     return int(state["step"])
 
 
-def _calibrate(cfg: ClarifierConfig, folder: Path, progress) -> dict | None:
-    """Pick the decision threshold on the calibration split (if it has both classes)."""
+def _decision_head_and_threshold(cfg: ClarifierConfig, folder: Path, progress) -> tuple[dict | None, dict | None]:
+    """After training: fit the decision head (``train.decision_head.enabled``) on the train split, then pick
+    the decision threshold on the calibration split (if it has both classes) -- on the head's scores."""
     from clarifier.data.outputs import load_split
     from clarifier.train.calibrate import calibrate_model
 
     split = cfg.eval.calibration_split
-    if not split:
-        return None
-    examples = load_split(cfg.data.output, split)
-    labels = {e.needs_clarification for e in examples}
-    if len(labels) < 2:
+    examples = load_split(cfg.data.output, split) if split else []
+    if split and len({e.needs_clarification for e in examples}) < 2:
         progress(f"[calibrate] split {split!r} has {len(examples)} examples and not both classes; "
                  f"keeping threshold {cfg.eval.threshold}")
-        return None
-    return calibrate_model(folder, examples, max_over_asking=cfg.eval.max_over_asking,
-                           cache_dir=cfg.model.cache_dir, batch_size=cfg.eval.batch_size, progress=progress,
-                           precision=cfg.model.precision, split=split)
+        split = None
+    head = None
+    if cfg.train.decision_head.enabled:
+        if not split:
+            progress("[head] no decision head: it is chosen on the calibration split, which is missing or one-class")
+        else:
+            from clarifier.train.decision_head import fit_decision_head
+
+            head = fit_decision_head(folder, load_split(cfg.data.output, "train"), examples, cfg.train.decision_head,
+                                     seed=cfg.train.seed, cache_dir=cfg.model.cache_dir,
+                                     precision=cfg.model.precision, progress=progress)
+    if not split:
+        return head, None
+    return head, calibrate_model(folder, examples, max_over_asking=cfg.eval.max_over_asking,
+                                 cache_dir=cfg.model.cache_dir, batch_size=cfg.eval.batch_size, progress=progress,
+                                 precision=head["precision"] if head else cfg.model.precision, split=split,
+                                 scores=head["dev_scores"] if head else None)
+
+

@@ -1,0 +1,88 @@
+"""The decision head: P(clarify) from the model's hidden states at the decision position.
+
+By default the engine reads the decision from two logits of the language-model head ("clarify" vs
+"answer" after ``decision:``): one direction of the last layer. A *decision head* is a logistic
+regression on the hidden states of several layers at that same position (the last prompt token of
+``prompt + "decision:"``), fitted after training on the model as it is served
+(:mod:`clarifier.train.decision_head`). It costs nothing at inference (the prefill computes those
+states anyway; the KV cache for the question is the same) and, fitted on cached features, it can see
+every training example many times where LoRA training sees each at most once on a CPU budget.
+
+A model folder with a head holds ``decision_head.safetensors``: ``weight`` (float32, the layers'
+states concatenated, standardisation folded in) and ``bias``, with the hidden-state indexes in the
+file's metadata (``layers``: 0 = the embeddings, ``num_hidden_layers`` = the last layer after the final
+norm, as ``output_hidden_states`` numbers them). ``clarifier.json`` records how it was fitted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+HEAD_FILE = "decision_head.safetensors"
+
+
+def resolve_layers(fractions: Sequence[float], num_layers: int) -> list[int]:
+    """Hidden-state indexes for depth fractions (0 < f <= 1; 1.0 = the last layer), sorted, unique."""
+    bad = [f for f in fractions if not 0 < f <= 1]
+    if bad or not fractions:
+        raise ValueError(f"decision head layers are depth fractions in (0, 1]; got {list(fractions)}")
+    return sorted({max(1, min(num_layers, round(f * num_layers))) for f in fractions})
+
+
+def features(hidden_states: Sequence[Any], layers: Sequence[int]):
+    """``[batch, len(layers) * hidden]`` float32: each listed layer's state at the last position."""
+    import torch
+
+    return torch.cat([hidden_states[i][:, -1, :].float() for i in layers], dim=-1)
+
+
+@dataclass
+class DecisionHead:
+    layers: list[int]
+    weight: Any  # torch.FloatTensor [len(layers) * hidden]
+    bias: float
+
+    def probability(self, feats):
+        """P(clarify) for ``[batch, dim]`` features (float32)."""
+        import torch
+
+        return torch.sigmoid(feats @ self.weight + self.bias)
+
+    @classmethod
+    def from_standardised(cls, layers: Sequence[int], coef, intercept: float, mean, scale) -> "DecisionHead":
+        """A head fitted on standardised features ``(x - mean) / scale``, folded into one affine map."""
+        import torch
+
+        coef, mean, scale = (torch.as_tensor(v, dtype=torch.float64) for v in (coef, mean, scale))
+        w = coef / scale
+        return cls(list(layers), w.float(), float(intercept - (w * mean).sum()))
+
+    def save(self, folder: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(folder) / HEAD_FILE
+        save_file({"weight": self.weight.contiguous(), "bias": self.weight.new_tensor([self.bias])}, str(path),
+                  metadata={"layers": json.dumps(self.layers)})
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "DecisionHead | None":
+        """The head of a model folder; None when it has none."""
+        from safetensors import safe_open
+
+        path = Path(folder) / HEAD_FILE
+        if not path.is_file():
+            return None
+        with safe_open(str(path), framework="pt") as f:
+            layers = json.loads((f.metadata() or {})["layers"])
+            weight, bias = f.get_tensor("weight").float(), float(f.get_tensor("bias")[0])
+        return cls([int(i) for i in layers], weight, bias)
+
+    def check(self, num_layers: int, hidden_size: int) -> None:
+        """Refuse a head that does not fit the model it is loaded with (naming both shapes)."""
+        if max(self.layers) > num_layers or self.weight.numel() != len(self.layers) * hidden_size:
+            raise ValueError(f"{HEAD_FILE} reads layers {self.layers} ({self.weight.numel()} features) but the model "
+                             f"has {num_layers} layers of {hidden_size}")

@@ -1,0 +1,111 @@
+"""Fit a model folder's decision head (:mod:`clarifier.engine.decision_head`) after training.
+
+The model is loaded as evaluation and serving load it (merged adapter, same precision, same prompt);
+one forward pass per example gives its hidden states at the decision position for a seeded sample of
+the train split (``train.decision_head.max_per_source`` per source, half needing a question where the
+source has enough) and for the whole calibration split. A logistic regression (scikit-learn) is fitted
+on the standardised states, every source and class weighing the same (as ``train.balance:
+source_class`` draws them), once per strength in ``c_grid``; the strength with the best mean
+within-source AUROC on the calibration split is kept. Its dev scores are returned so the threshold is
+calibrated on them without scoring the split again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from clarifier.core.config import DecisionHeadConfig
+from clarifier.core.metrics import within_source_summary
+from clarifier.core.schema import sample_by_source, source_of
+
+
+def balanced_weights(sources: list[str], gold: list[bool]) -> list[float]:
+    """Sample weights under which every (source, class) cell present weighs the same in total (mean 1)."""
+    from collections import Counter
+
+    cells = Counter(zip(sources, gold))
+    raw = [1.0 / cells[(s, g)] for s, g in zip(sources, gold)]
+    scale = len(raw) / sum(raw)
+    return [w * scale for w in raw]
+
+
+def _features(engine, examples, layers, batch_size: int, label: str, progress: Callable[[str], None]):
+    import torch
+
+    token, feats, t0, last = [], [], time.time(), 0.0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        p, f = engine.decision_features([(e.history, e.query, e.passages) for e in chunk], layers)
+        token += p
+        feats.append(f)
+        done = start + len(chunk)
+        if time.time() - last >= 30 or done == len(examples):
+            last = time.time()
+            progress(f"[head] {label}: {done}/{len(examples)} examples ({done / max(last - t0, 1e-9):.1f}/s)")
+    return token, torch.cat(feats).numpy()
+
+
+def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHeadConfig, *, seed: int = 0,
+             progress: Callable[[str], None] = print):
+    """``(DecisionHead, summary)`` fitted on ``engine``'s hidden states (any engine: a trained model's,
+    or a base model's for a head on the untrained base). The summary has the dev scores (``dev_scores``,
+    in ``dev_examples`` order) and both decisions' dev within-source AUROC."""
+    import numpy as np
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    from clarifier.engine.decision_head import DecisionHead, resolve_layers
+
+    t0 = time.time()
+    train = sample_by_source(train_examples, cfg.max_per_source, seed, clarify_share=0.5)
+    for name, rows in (("train sample", train), ("calibration split", dev_examples)):
+        if len({e.needs_clarification for e in rows}) < 2:
+            raise ValueError(f"decision head: the {name} needs turns of both classes ({len(rows)} examples)")
+    layers = resolve_layers(cfg.layers, engine.model.config.num_hidden_layers)
+    progress(f"[head] fitting a decision head on layers {layers}: {len(train)} train examples "
+             f"({sum(e.needs_clarification for e in train)} need a question), {len(dev_examples)} to choose it")
+    _, x_train = _features(engine, train, layers, cfg.batch_size, "train", progress)
+    dev_token, x_dev = _features(engine, dev_examples, layers, cfg.batch_size, "dev", progress)
+
+    y = np.array([e.needs_clarification for e in train])
+    weights = balanced_weights([source_of(e) for e in train], list(y))
+    scaler = StandardScaler().fit(x_train)
+    xs_train, xs_dev = scaler.transform(x_train), scaler.transform(x_dev)
+    dev_gold, dev_sources = [e.needs_clarification for e in dev_examples], [source_of(e) for e in dev_examples]
+    tried, best = [], None
+    for c in cfg.c_grid:
+        lr = LogisticRegression(C=c, max_iter=3000).fit(xs_train, y, sample_weight=weights)
+        scores = lr.predict_proba(xs_dev)[:, 1]
+        macro = within_source_summary(dev_gold, list(scores), dev_sources)["macro_auroc"]
+        tried.append({"c": c, "dev_macro_auroc": macro})
+        if best is None or (macro or 0.0) > (best[0] or 0.0):
+            best = (macro, c, lr, scores)
+    macro, c, lr, scores = best
+    head = DecisionHead.from_standardised(layers, lr.coef_[0], float(lr.intercept_[0]), scaler.mean_, scaler.scale_)
+    token_macro = within_source_summary(dev_gold, dev_token, dev_sources)["macro_auroc"]
+    summary = {"layers": layers, "layer_fractions": list(cfg.layers), "c": c, "n_train": len(train),
+               "n_dev": len(dev_examples), "dev_macro_auroc": macro, "dev_macro_auroc_token": token_macro,
+               "tried": tried, "precision": engine.precision, "seconds": round(time.time() - t0, 1),
+               "dev_scores": [float(s) for s in scores]}
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    progress(f"[head] kept C={c:g}: dev within-source AUROC {fmt(macro)} (decision tokens: {fmt(token_macro)}) "
+             f"in {summary['seconds']:.0f}s")
+    return head, summary
+
+
+def fit_decision_head(folder: str | Path, train_examples: list, dev_examples: list, cfg: DecisionHeadConfig, *,
+                      seed: int = 0, cache_dir=None, precision: str = "auto",
+                      progress: Callable[[str], None] = print) -> dict:
+    """Fit the decision head of the model in ``folder`` (loaded as evaluation and serving load it), save it
+    there and record how in its ``clarifier.json``; returns :func:`fit_head`'s summary."""
+    from clarifier.engine.inference import read_meta, write_meta
+    from clarifier.engine.loading import load_engine
+
+    engine = load_engine(folder, cache_dir=cache_dir, precision=precision, decision_head=False)
+    head, summary = fit_head(engine, train_examples, dev_examples, cfg, seed=seed, progress=progress)
+    head.save(folder)
+    write_meta(folder, replace(read_meta(folder), decision_head={k: v for k, v in summary.items() if k != "dev_scores"}))
+    return summary

@@ -1,0 +1,130 @@
+"""The decision head: a logistic regression on hidden states at the decision position, fitted after
+training (clarifier.train.decision_head), stored in the model folder and used by the one engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+
+def test_layers_are_depth_fractions():
+    from clarifier.engine.decision_head import resolve_layers
+
+    assert resolve_layers([0.25, 0.5, 0.75, 1.0], 30) == [8, 15, 22, 30]
+    assert resolve_layers([0.1, 0.2, 1.0], 2) == [1, 2]  # never the embeddings (0); duplicates merged
+    for bad in ([], [0.0], [1.5]):
+        with pytest.raises(ValueError, match="depth fractions"):
+            resolve_layers(bad, 30)
+
+
+def test_standardisation_folds_into_one_affine_map(tmp_path):
+    import torch
+
+    from clarifier.engine.decision_head import DecisionHead
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 6, generator=g) * 3 + 1
+    coef, mean, scale = torch.randn(6, generator=g), x.mean(0), x.std(0)
+    head = DecisionHead.from_standardised([1, 2], coef, 0.3, mean, scale)
+    expected = torch.sigmoid(((x - mean) / scale) @ coef + 0.3)
+    assert torch.allclose(head.probability(x), expected, atol=1e-5)
+
+    head.save(tmp_path)
+    back = DecisionHead.load(tmp_path)
+    assert back.layers == [1, 2] and torch.allclose(back.probability(x), expected, atol=1e-5)
+    assert DecisionHead.load(tmp_path / "nowhere") is None
+    with pytest.raises(ValueError, match=r"reads layers \[1, 2\] \(6 features\) but the model has 2 layers of 64"):
+        back.check(2, 64)
+
+
+def test_balanced_weights_give_every_source_and_class_the_same_total():
+    from clarifier.train.decision_head import balanced_weights
+
+    sources = ["a"] * 6 + ["b"] * 2
+    gold = [True, False, False, False, False, False, True, False]
+    w = balanced_weights(sources, gold)
+    totals = {}
+    for s, g, x in zip(sources, gold, w):
+        totals[(s, g)] = totals.get((s, g), 0.0) + x
+    assert len(set(round(v, 9) for v in totals.values())) == 1 and math.isclose(sum(w), len(w))
+
+
+def _examples(n: int, prefix: str):
+    """Two sources; whether a turn needs a question is written in its words (so a head can learn it)."""
+    from clarifier.core.schema import Example, Turn
+
+    out = []
+    for i in range(n):
+        amb = i % 2 == 0
+        src = "alpha" if i % 4 < 2 else "beta"
+        q = "how do I reset it?" if amb else f"what is the weather in paris on day {i}?"
+        out.append(Example(
+            id=f"{prefix}-{i}", history=[Turn(role="user", text="I have a router and a modem"),
+                                         Turn(role="assistant", text="Both are supported.")],
+            query=q, needs_clarification=amb, clarifying_question="The router or the modem?" if amb else None,
+            grounding_turns=[0] if amb else [], meta={"source": src, "conversation_id": f"{prefix}-{i}"}))
+    return out
+
+
+def test_fitted_head_is_saved_and_decides_for_the_engine(tiny_model_dir, tmp_path):
+    import torch
+
+    from clarifier.core.config import DecisionHeadConfig
+    from clarifier.engine.decision_head import HEAD_FILE
+    from clarifier.engine.inference import read_meta
+    from clarifier.engine.loading import load_engine
+    from clarifier.train.decision_head import fit_decision_head
+    from support.adapters import untrained_adapter
+
+    folder = untrained_adapter(tiny_model_dir, tmp_path / "m", threshold=0.5)
+    train, dev = _examples(32, "t"), _examples(16, "d")
+    lines = []
+    summary = fit_decision_head(folder, train, dev, DecisionHeadConfig(layers=[0.5, 1.0], max_per_source=12,
+                                                                       c_grid=[0.01, 1.0]),
+                                precision="fp32", progress=lines.append)
+    assert (folder / HEAD_FILE).is_file()
+    assert summary["layers"] == [1, 2] and summary["n_train"] == 24 and summary["n_dev"] == 16
+    assert summary["c"] in (0.01, 1.0) and summary["dev_macro_auroc"] == 1.0  # the words decide: separable
+    meta = read_meta(folder)
+    assert meta.decision_head["c"] == summary["c"] and "dev_scores" not in meta.decision_head
+    assert any(line.startswith("[head] kept C=") for line in lines)
+
+    engine = load_engine(folder, precision="fp32")
+    items = [(e.history, e.query, e.passages) for e in dev]
+    scores = engine.score(items)
+    assert engine.decision_head is not None
+    assert scores == pytest.approx(summary["dev_scores"], abs=1e-4)  # the calibration reuses these scores
+    token = load_engine(folder, precision="fp32", decision_head=False)
+    assert token.decision_head is None and token.score(items) != pytest.approx(scores, abs=1e-3)
+
+    # The clarify path still decodes from the decision pass's KV cache with a head deciding.
+    with torch.no_grad():
+        engine.decision_head.weight.zero_()
+    engine.decision_head.bias = 5.0  # sigmoid(5) = 0.993 for every request
+    from clarifier.core.schema import ClarifyRequest
+
+    out = engine.clarify([ClarifyRequest(history=e.history, query=e.query) for e in dev[:2]], threshold=0.99)
+    assert [r.confidence for r in out] == pytest.approx([1 / (1 + math.exp(-5))] * 2, abs=1e-6)
+    assert all(r.usage.completion_tokens > 0 for r in out)  # both were decoded past the decision
+
+
+def test_head_needs_both_classes(tiny_model_dir, tmp_path):
+    from clarifier.core.config import DecisionHeadConfig
+    from clarifier.train.decision_head import fit_decision_head
+    from support.adapters import untrained_adapter
+
+    folder = untrained_adapter(tiny_model_dir, tmp_path / "m", threshold=0.5)
+    clear = [e for e in _examples(8, "t") if not e.needs_clarification]
+    with pytest.raises(ValueError, match="the train sample needs turns of both classes"):
+        fit_decision_head(folder, clear, _examples(8, "d"), DecisionHeadConfig(), progress=lambda _: None)
+
+
+def test_config_rejects_bad_layers_and_strengths():
+    from clarifier.core.config import ConfigError, build_config
+
+    assert build_config({}, ["train.decision_head.enabled=true"]).train.decision_head.layers == [0.25, 0.5, 0.75, 1.0]
+    with pytest.raises(ConfigError, match="depth fractions"):
+        build_config({}, ["train.decision_head.layers=[0.5,2]"])
+    with pytest.raises(ConfigError, match="every C must be > 0"):
+        build_config({}, ["train.decision_head.c_grid=[0.1,0]"])
