@@ -128,3 +128,21 @@ def test_config_rejects_bad_layers_and_strengths():
         build_config({}, ["train.decision_head.layers=[0.5,2]"])
     with pytest.raises(ConfigError, match="every C must be > 0"):
         build_config({}, ["train.decision_head.c_grid=[0.1,0]"])
+
+
+def test_hooked_states_equal_the_models_hidden_states(tiny_model_dir):
+    """The engine keeps only the last position of the layers a head reads (forward hooks); those are exactly
+    what ``output_hidden_states`` numbers them (i: decoder layer i - 1's output; the last: after the final norm)."""
+    import torch
+
+    from clarifier.core.target import DECISION_PREFIX
+    from clarifier.engine.inference import ClarifierEngine, positions_from_mask
+
+    engine = ClarifierEngine.from_base(str(tiny_model_dir), precision="fp32")
+    items = [(e.history, e.query, e.passages) for e in _examples(3, "h")]
+    _, feats = engine.decision_features(items, [1, 2])
+    enc = engine._encode([engine._prompt(h, q, p) + DECISION_PREFIX for h, q, p in items])
+    with torch.inference_mode():
+        out = engine.model(**enc, position_ids=positions_from_mask(enc["attention_mask"]), output_hidden_states=True)
+    expected = torch.cat([out.hidden_states[1][:, -1], out.hidden_states[2][:, -1]], dim=-1)
+    assert feats.shape == (3, 128) and torch.allclose(feats, expected, atol=1e-5)

@@ -32,13 +32,6 @@ def resolve_layers(fractions: Sequence[float], num_layers: int) -> list[int]:
     return sorted({max(1, min(num_layers, round(f * num_layers))) for f in fractions})
 
 
-def features(hidden_states: Sequence[Any], layers: Sequence[int]):
-    """``[batch, len(layers) * hidden]`` float32: each listed layer's state at the last position."""
-    import torch
-
-    return torch.cat([hidden_states[i][:, -1, :].float() for i in layers], dim=-1)
-
-
 @dataclass
 class DecisionHead:
     layers: list[int]

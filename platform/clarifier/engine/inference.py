@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from clarifier.engine.decision_head import DecisionHead, features
+from clarifier.engine.decision_head import DecisionHead
 from clarifier.engine.target_constraint import TargetConstraint, grammar_for, vocab_index
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from clarifier.engine.precision import place, resolve_precision, torch_dtype
@@ -205,20 +205,29 @@ class ClarifierEngine:
 
         The two decision logits are computed in float32 from the final hidden state (a bf16 model's
         own logits are rounded to 8 bits of mantissa, too coarse for a calibrated threshold). With
-        ``keep_cache`` the pass also returns its inputs and KV cache for :meth:`_ask`.
+        ``keep_cache`` the pass also returns its inputs and KV cache for :meth:`_ask`. ``layers`` are
+        numbered as ``output_hidden_states`` numbers them (``i``: the output of decoder layer ``i - 1``;
+        the last: after the final norm); only their last position is kept, by hooks, so a large batch
+        does not hold every layer's states for every token.
         """
         torch = self._torch
         texts = [self._prompt(h, q, p) + DECISION_PREFIX for h, q, p in items]
         head = self.model.get_output_embeddings()
-        captured = {}
-        hook = head.register_forward_hook(lambda _m, args, _out: captured.__setitem__("h", args[0]))
+        n_layers = self.model.config.num_hidden_layers
+        captured: dict = {}
+        hooks = [head.register_forward_hook(lambda _m, args, _out: captured.__setitem__("h", args[0]))]
+        decoder = self.model.get_decoder().layers if layers else []
+        for i in (layers or []):
+            if i < n_layers:
+                hooks.append(decoder[i - 1].register_forward_hook(
+                    lambda _m, _args, out, i=i: captured.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[:, -1, :])))
         try:
             with torch.inference_mode():
                 enc = self._encode(texts)
                 # Only the last position's logits: with a large vocabulary (Gemma: 262k) the full
                 # [batch, length, vocab] tensor would cost most of the time and gigabytes of memory.
                 out = self.model(**enc, position_ids=positions_from_mask(enc["attention_mask"]), logits_to_keep=1,
-                                 use_cache=keep_cache, output_hidden_states=layers is not None)
+                                 use_cache=keep_cache)
                 hidden = captured["h"][:, -1, :].float()
                 rows = [self.clarify_id, self.answer_id]
                 pair = hidden @ head.weight[rows].float().T
@@ -228,9 +237,11 @@ class ClarifierEngine:
                 if cap:
                     pair = torch.tanh(pair / cap) * cap
                 probs = torch.softmax(pair, dim=-1)[:, 0]
-                feats = features(out.hidden_states, layers) if layers is not None else None
+                feats = (torch.cat([hidden if i >= n_layers else captured[i].float() for i in layers], dim=-1)
+                         if layers else None)
         finally:
-            hook.remove()
+            for h in hooks:
+                h.remove()
         state = DecisionPass(enc["input_ids"], enc["attention_mask"], out.past_key_values if keep_cache else None,
                              [int(n) for n in enc["attention_mask"].sum(dim=1)])
         return probs, feats, state

@@ -33,19 +33,30 @@ def balanced_weights(sources: list[str], gold: list[bool]) -> list[float]:
 
 
 def _features(engine, examples, layers, batch_size: int, label: str, progress: Callable[[str], None]):
+    """``(decision-token P(clarify), features)`` of ``examples``, in their order; batched by length (the
+    rendered conversation's characters), so a batch pads little."""
+    import numpy as np
     import torch
 
-    token, feats, t0, last = [], [], time.time(), 0.0
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start:start + batch_size]
-        p, f = engine.decision_features([(e.history, e.query, e.passages) for e in chunk], layers)
-        token += p
+    from clarifier.core.prompt import render_user_message
+
+    order = sorted(range(len(examples)), key=lambda i: len(render_user_message(
+        examples[i].history, examples[i].query, examples[i].passages, engine.opts)))
+    token, feats, t0, last = [0.0] * len(examples), [], time.time(), 0.0
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        p, f = engine.decision_features([(examples[i].history, examples[i].query, examples[i].passages) for i in rows],
+                                        layers)
+        for i, v in zip(rows, p):
+            token[i] = v
         feats.append(f)
-        done = start + len(chunk)
+        done = start + len(rows)
         if time.time() - last >= 30 or done == len(examples):
             last = time.time()
             progress(f"[head] {label}: {done}/{len(examples)} examples ({done / max(last - t0, 1e-9):.1f}/s)")
-    return token, torch.cat(feats).numpy()
+    x = np.empty((len(examples), feats[0].shape[1]), dtype=np.float32)
+    x[order] = torch.cat(feats).numpy()
+    return token, x
 
 
 def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHeadConfig, *, seed: int = 0,
