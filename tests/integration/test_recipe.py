@@ -90,6 +90,10 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     assert tokens["kind"] == "tokens" and tokens["run_id"] == joint["run_id"] and tokens["decided_by"] == "decision tokens"
     assert tokens["calibration"]["rule"] == "over_asking<=0.1"
     assert tokens["calibration"]["n"] == result["data"]["counts"]["splits"]["dev"]["examples"]
+    # per-example scores and decisions are kept (in eval_set.ids order) for later analyses; the bootstrap
+    # resamples inside every source and gives the within-source mean AUROC its interval
+    assert len(joint["scores"]) == len(joint["decisions"]) == n == len(result["eval_set"]["ids"])
+    assert result["uncertainty"]["stratified_by_source"] and "macro_auroc_diff" in result["uncertainty"]["systems"]["joint_tokens"]
     probe = result["rows"]["probe_tiny"]  # the untrained base + a head fitted on the train split
     assert probe["kind"] == "probe" and probe["decision_head"]["layers"] == [1, 2] and "dev_scores" not in probe["decision_head"]
     enc = result["rows"]["encoder_tiny"]  # trained on the train split, calibrated on dev, saved under the work folder
@@ -147,6 +151,7 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     assert "| zero_shot_tiny | zero-shot |" in md
     assert "| encoder_tiny | encoder |" in md
     assert "## Decision heads" in md and "| probe_tiny | probe | 1, 2 |" in md
+    assert "within-source AUROC - joint" in md
     assert "| clariq | encoder_tiny without clariq |" in md and "## Encoder rows" in md
     assert result["benchmark"] == "recipe-plan" and md.startswith(f"# Recipe benchmark: plan (recipe {tmp_path / 'tiny.yaml'})")
     assert any("data job" in m for m in messages)

@@ -394,6 +394,25 @@ def test_paired_bootstrap_separates_a_real_difference_from_a_tie():
                                    reference="perfect", n_resamples=200, seed=0)
 
 
+def test_paired_bootstrap_by_source_resamples_the_within_source_mean():
+    """With sources, each resample draws inside every source and the mean within-source AUROC gets an
+    interval: a system that only knows the source ranks well on the mixed set and at chance inside."""
+    from clarifier.core.metrics import paired_bootstrap
+
+    sources = ["a"] * 60 + ["b"] * 60
+    gold = [i % 4 == 0 for i in range(60)] + [i % 4 != 0 for i in range(60)]  # a asks 25%, b 75%
+    source_only = ([s == "b" for s in sources], [0.75 if s == "b" else 0.25 for s in sources])
+    inside = ([g for g in gold], [(0.6 if g else 0.4) + (0.3 if s == "b" else 0.0) for g, s in zip(gold, sources)])
+    out = paired_bootstrap(gold, {"source_only": source_only, "inside": inside}, reference="source_only",
+                           n_resamples=200, seed=0, sources=sources)
+    s = out["systems"]
+    assert out["stratified_by_source"] is True
+    assert s["source_only"]["macro_auroc"] == [0.5, 0.5] and s["source_only"]["auroc"][0] > 0.6  # mixed: 0.75
+    assert s["inside"]["macro_auroc"] == [1.0, 1.0] and s["inside"]["macro_auroc_diff"] == [0.5, 0.5]
+    with pytest.raises(ValueError, match="sources"):
+        paired_bootstrap(gold, {"inside": inside}, sources=sources[:-1])
+
+
 def test_paired_bootstrap_rejects_bad_input():
     from clarifier.core.metrics import paired_bootstrap
 

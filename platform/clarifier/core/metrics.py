@@ -485,7 +485,7 @@ def evaluate_predictions(
 
 def paired_bootstrap(
     gold: Sequence[bool], systems: dict[str, tuple[Sequence[bool], Sequence[float]]], reference: str | None = None,
-    n_resamples: int = 1000, seed: int = 0, level: float = 0.95,
+    n_resamples: int = 1000, seed: int = 0, level: float = 0.95, sources: Sequence[str] | None = None,
 ) -> dict[str, dict]:
     """Percentile bootstrap intervals of decision F1 and AUROC, paired across systems.
 
@@ -493,7 +493,10 @@ def paired_bootstrap(
     *difference* (``f1_diff`` / ``auroc_diff``: system minus ``reference``) accounts for the
     examples being shared; a difference whose interval contains 0 is not a measured difference.
     ``systems`` maps a name to ``(decisions, scores)``. Resamples with a single gold class have no
-    AUROC and are left out of its interval. Deterministic for a given ``seed``.
+    AUROC and are left out of its interval. With ``sources`` (one per example) every resample draws
+    inside each source (each keeps its size) and the mean within-source AUROC is resampled too
+    (``macro_auroc`` / ``macro_auroc_diff``): the headline figure, with its interval. Deterministic
+    for a given ``seed``.
     """
     import random
 
@@ -501,28 +504,42 @@ def paired_bootstrap(
     for name, (dec, sc) in systems.items():
         _check_same_length(gold, dec, "gold", f"{name} decisions")
         _check_same_length(gold, sc, "gold", f"{name} scores")
+    if sources is not None:
+        _check_same_length(gold, sources, "gold", "sources")
     if reference is not None and reference not in systems:
         raise ValueError(f"reference {reference!r} is not among the systems {sorted(systems)}")
     rng = random.Random(seed)
-    draws: dict[str, dict[str, list[float]]] = {k: {"f1": [], "auroc": [], "f1_diff": [], "auroc_diff": []}
-                                                for k in systems}
+    strata = ([[i for i, s in enumerate(sources) if s == src] for src in sorted(set(sources))] if sources is not None
+              else [list(range(n))])
+    keys = ("f1", "auroc", "f1_diff", "auroc_diff") + (("macro_auroc", "macro_auroc_diff") if sources is not None else ())
+    draws: dict[str, dict[str, list[float]]] = {k: {key: [] for key in keys} for k in systems}
     for _ in range(n_resamples if n else 0):
-        idx = [rng.randrange(n) for _ in range(n)]
+        parts = [[group[rng.randrange(len(group))] for _ in group] for group in strata]
+        idx = [i for part in parts for i in part]
         g = [gold[i] for i in idx]
         vals = {}
         for name, (dec, sc) in systems.items():
             f1 = decision_metrics(g, [dec[i] for i in idx])["f1"]
             au = auroc(g, [sc[i] for i in idx])
-            vals[name] = (f1, au)
+            macro = None
+            if sources is not None:
+                per = [auroc([gold[i] for i in part], [sc[i] for i in part]) for part in parts]
+                per = [a for a in per if a is not None]
+                macro = sum(per) / len(per) if per else None
+                if macro is not None:
+                    draws[name]["macro_auroc"].append(macro)
+            vals[name] = (f1, au, macro)
             draws[name]["f1"].append(f1)
             if au is not None:
                 draws[name]["auroc"].append(au)
         if reference is not None:
-            rf, ra = vals[reference]
-            for name, (f1, au) in vals.items():
+            rf, ra, rm = vals[reference]
+            for name, (f1, au, macro) in vals.items():
                 draws[name]["f1_diff"].append(f1 - rf)
                 if au is not None and ra is not None:
                     draws[name]["auroc_diff"].append(au - ra)
+                if macro is not None and rm is not None:
+                    draws[name]["macro_auroc_diff"].append(macro - rm)
 
     def interval(xs: list[float]) -> list[float] | None:
         if not xs:
@@ -535,7 +552,12 @@ def paired_bootstrap(
     out = {}
     for name, d in draws.items():
         out[name] = {"f1": interval(d["f1"]), "auroc": interval(d["auroc"])}
+        if sources is not None:
+            out[name]["macro_auroc"] = interval(d["macro_auroc"])
         if reference is not None and name != reference:
             out[name]["f1_diff"] = interval(d["f1_diff"])
             out[name]["auroc_diff"] = interval(d["auroc_diff"])
-    return {"reference": reference, "n_resamples": n_resamples, "level": level, "seed": seed, "systems": out}
+            if sources is not None:
+                out[name]["macro_auroc_diff"] = interval(d["macro_auroc_diff"])
+    return {"reference": reference, "n_resamples": n_resamples, "level": level, "seed": seed,
+            "stratified_by_source": sources is not None, "systems": out}

@@ -391,7 +391,10 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
 
     def add_row(name: str, kind: str, preds: list, **info):
         preds_of[name] = preds
-        rows[name] = {"kind": kind, **info, "metrics": _metrics(examples, preds, sim_fn, source_of, plan.grounding_source)}
+        rows[name] = {"kind": kind, **info, "metrics": _metrics(examples, preds, sim_fn, source_of, plan.grounding_source),
+                      # per example, in eval_set.ids order: what later analyses (other intervals, other thresholds) need
+                      "scores": [round(float(p.confidence), 6) for p in preds],
+                      "decisions": [bool(p.needs_clarification) for p in preds]}
         m = rows[name]["metrics"]["all"]
         progress(f"[recipe] {name}: F1 {m['decision']['f1']:.3f}, over-asking {m['decision']['over_asking_rate']:.3f}, "
                  f"AUROC {m['auroc'] if m['auroc'] is None else round(m['auroc'], 3)}")
@@ -455,7 +458,8 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
     uncertainty = paired_bootstrap(
         gold, {name: ([bool(p.needs_clarification) for p in preds], [float(p.confidence) for p in preds])
                for name, preds in preds_of.items()},
-        reference=next((n for n in plan.variants if n in preds_of), None), seed=plan.seed)  # the recipe as shipped
+        reference=next((n for n in plan.variants if n in preds_of), None), seed=plan.seed,  # the recipe as shipped
+        sources=[source_of(e) for e in examples])
 
     loo: dict[str, dict] = {}
     for src in plan.leave_one_out.sources:
@@ -507,7 +511,9 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
         "code": {"clarifier_version": clarifier.__version__, "git_commit": git_commit()},
         "data": {"output": base.data.output, "sources": manifest.get("sources"), "counts": manifest["counts"],
                  "silver_grounding": manifest.get("silver_grounding")},
-        "eval_set": {"n": len(examples), "fingerprint": fingerprint_examples(examples), "by_source": {s: {"n": n, "clarify": c} for s, (n, c) in by_source.items()},
+        "eval_set": {"n": len(examples), "fingerprint": fingerprint_examples(examples), "ids": [e.id for e in examples],
+                     "sources": [source_of(e) for e in examples], "gold": [bool(e.needs_clarification) for e in examples],
+                     "by_source": {s: {"n": n, "clarify": c} for s, (n, c) in by_source.items()},
                      "split": base.eval.split, "per_source_cap": plan.eval_per_source,
                      "clarify_share": plan.eval_clarify_share,
                      "split_by_source": {s: {"n": sum(source_of(e) == s for e in test),

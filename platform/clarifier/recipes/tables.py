@@ -251,15 +251,20 @@ def uncertainty_table(result: dict) -> list[str]:
     if not u.get("systems"):
         return []
     ref = u.get("reference")
-    header = ["row", "F1", "F1 95% CI", "AUROC", "AUROC 95% CI"]
+    by_source = bool(u.get("stratified_by_source"))
+    header = ["row", *(["mean within-source AUROC", "95% CI"] if by_source else []), "F1", "F1 95% CI", "AUROC",
+              "AUROC 95% CI"]
     if ref:
-        header += [f"F1 - {ref}", f"AUROC - {ref}"]
+        header += [*([f"within-source AUROC - {ref}"] if by_source else []), f"F1 - {ref}", f"AUROC - {ref}"]
     lines = []
     for name, iv in u["systems"].items():
         m = result["rows"][name]["metrics"]["all"]
-        line = [name, fmt(_get(m, ("decision", "f1"))), _ci(iv["f1"]), fmt(_get(m, ("auroc",))), _ci(iv["auroc"])]
+        macro = [fmt(_get(m, ("within_source", "macro_auroc"))), _ci(iv.get("macro_auroc"))] if by_source else []
+        line = [name, *macro, fmt(_get(m, ("decision", "f1"))), _ci(iv["f1"]), fmt(_get(m, ("auroc",))), _ci(iv["auroc"])]
         if ref:
-            line += ["(reference)", "(reference)"] if name == ref else [_ci(iv.get("f1_diff")), _ci(iv.get("auroc_diff"))]
+            diffs = ["macro_auroc_diff"] if by_source else []
+            line += (["(reference)"] * (len(diffs) + 2) if name == ref
+                     else [_ci(iv.get(k)) for k in (*diffs, "f1_diff", "auroc_diff")])
         lines.append(line)
     return _table(header, lines)
 
@@ -379,7 +384,9 @@ def markdown(result: dict) -> str:
         lines += ["## How sure: bootstrap intervals", "",
                   f"{u['level']:.0%} percentile intervals over {u['n_resamples']} resamples of the evaluation set, paired: "
                   "every resample scores all rows on the same examples, so a difference whose interval contains 0 "
-                  "is not a measured difference.", "", *uncertainty_table(result), ""]
+                  "is not a measured difference"
+                  + (" (each resample draws inside every source, keeping its size)." if u.get("stratified_by_source")
+                     else "."), "", *uncertainty_table(result), ""]
     lines += ["## Per source (F1 / AUROC)", "", *source_table(result), ""]
     curve = learning_curve_table(result)
     if curve:
