@@ -129,8 +129,12 @@ def test_eval_progress_lines_are_thinned_too_and_each_rows_last_one_stays(capsys
         for k in range(32, 129, 32):
             say(f"[eval] {name}: {k}/128")
     say("[eval] report written")
+    for k in (64, 128, 130):  # the decision head's feature passes: "[head] <part>: k/N (rate)"
+        say(f"[head] train: {k}/130 (4.2 examples/s)")
+    say("[head] kept C=0.001")
     assert capsys.readouterr().out.splitlines() == [
-        "[eval] model: 32/128", "[eval] model: 128/128", "[eval] base_model: 128/128", "[eval] report written"]
+        "[eval] model: 32/128", "[eval] model: 128/128", "[eval] base_model: 128/128", "[eval] report written",
+        "[head] train: 130/130 (4.2 examples/s)", "[head] kept C=0.001"]
 
 
 def test_the_live_step_line_leaves_the_streams_in_the_log_file(monkeypatch):

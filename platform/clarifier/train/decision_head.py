@@ -42,7 +42,7 @@ def _features(engine, examples, layers, batch_size: int, label: str, progress: C
 
     order = sorted(range(len(examples)), key=lambda i: len(render_user_message(
         examples[i].history, examples[i].query, examples[i].passages, engine.opts)))
-    token, feats, t0, last = [0.0] * len(examples), [], time.time(), 0.0
+    token, feats, t0 = [0.0] * len(examples), [], time.time()
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         p, f = engine.decision_features([(examples[i].history, examples[i].query, examples[i].passages) for i in rows],
@@ -51,9 +51,8 @@ def _features(engine, examples, layers, batch_size: int, label: str, progress: C
             token[i] = v
         feats.append(f)
         done = start + len(rows)
-        if time.time() - last >= 30 or done == len(examples):
-            last = time.time()
-            progress(f"[head] {label}: {done}/{len(examples)} examples ({done / max(last - t0, 1e-9):.1f}/s)")
+        if done % 64 < len(rows) or done == len(examples):  # the CLI shows these as one live line
+            progress(f"[head] {label}: {done}/{len(examples)} ({done / max(time.time() - t0, 1e-9):.1f} examples/s)")
     x = np.empty((len(examples), feats[0].shape[1]), dtype=np.float32)
     x[order] = torch.cat(feats).numpy()
     return token, x
