@@ -47,15 +47,15 @@ OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. train.max_steps
 
 class _Lines:
     """Clarifier's own lines. Repeated progress lines (``[train] step k/N ...``, one per optimizer step;
-    ``[eval] model: k/N`` and ``[head] train: k/N (...)``, one per few batches)
+    ``[eval] model: k/N``, ``[head] train: k/N (...)`` and ``[data] tokenise: k/N examples``, one per few batches)
     become one live line on a terminal; elsewhere (CI, a job's log) one is printed per ``every_s``,
     plus the last one, so a long run stays readable."""
 
     # progress lines: "[train] step 7/40: ...", "[encoder] step 7 ...", "[eval] model: 32/120",
-    # "[head] train: 64/600 (4.1/s)"
+    # "[head] train: 64/600 (4.1/s)", "[data] tokenise: 512/6796 examples"
     STEPS = (re.compile(r"^\[(?:train|encoder)\] step (\d+)(?:/(\d+))?[: ]"),
              re.compile(r"^\[eval\] [\w.-]+: (\d+)/(\d+)$"),
-             re.compile(r"^\[head\] [\w.-]+: (\d+)/(\d+) "))
+             re.compile(r"^\[(?:head|data)\] [\w.-]+: (\d+)/(\d+) "))
 
     def __init__(self, every_s: float = 60.0):
         self.every_s = every_s

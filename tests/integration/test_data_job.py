@@ -92,6 +92,11 @@ def test_counts_add_up(job):
     assert m["config"]["data"]["seed"] == SEED and m["config"]["tokenizer"]["vocab_size"] > 0
     assert m["code"]["clarifier_version"] and m["created_at"] and "row_definition" in m
     assert any("quarantined" in line for line in job["progress"])
+    # rows as they pass, summed over the workers (files read; examples tokenised, the final count last)
+    reads = [line for line in job["progress"] if line.startswith("[data] read: ")]
+    tokenised = [line for line in job["progress"] if line.startswith("[data] tokenise: ")]
+    assert reads and reads[-1] == f"[data] read: {c['files']}/{c['files']} files"
+    assert tokenised and tokenised[-1] == f"[data] tokenise: {c['examples']}/{c['examples']} examples"
 
 
 @pytest.mark.timeout(60)

@@ -246,13 +246,21 @@ def prepare(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> di
 
 
 def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
+    from clarifier.runtime.relay import ProgressRelay
+
+    ray = _ensure_ray()
+    # Row counts from the workers (files read, examples tokenised), to ``progress`` as they happen.
+    with ProgressRelay(progress) as counts:
+        return _prepare_with(ray, cfg, progress, counts.handle)
+
+
+def _prepare_with(ray, cfg: ClarifierConfig, progress: Callable[[str], None], relay_handle) -> dict:
     import clarifier
     from ray.data.aggregate import Count, CountDistinct, Min, Sum
     from ray.data.expressions import col
 
     from clarifier.engine.models import load_tokenizer, resolve_base_model
 
-    ray = _ensure_ray()
     d = cfg.data
     if not d.input:
         raise ValueError("data.input is empty: set it to a folder, file or s3:// prefix of JSONL logs")
@@ -315,7 +323,8 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
         batch_size=1,
         batch_format="pyarrow",
         fn_kwargs={"filesystem": fs, "scheme": scheme, "seed": d.seed, "fractions": fractions, "max_turn_chars": d.max_turn_chars,
-                   "labelling": d.labelling.model_dump() if d.labelling.enabled else None},
+                   "labelling": d.labelling.model_dump() if d.labelling.enabled else None,
+                   "progress": (relay_handle, len(paths))},
     ).materialize()
     # Counts: every file's row carries its own; summed here (one small row per input file).
     per_file = parsed.filter(expr=col("kind") == "file").select_columns(FILE_COUNTS).take_all()
@@ -370,6 +379,7 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
                 "weights": cfg.train.loss_weights.model_dump(),
                 "max_prompt_tokens": cfg.model.max_prompt_tokens,
                 "max_length": d.max_length,
+                "progress": (relay_handle, examples_n),
             },
             batch_size=256,
             batch_format="pyarrow",

@@ -19,6 +19,7 @@ from clarifier.data.grounding import GROUNDING_COLUMNS
 from clarifier.core.schema import source_of
 from clarifier.data.split import assign_split
 from clarifier.data.validate import UnreadableFile, check_object, parse_line_full, quarantine_record, read_lines
+from clarifier.runtime import relay
 
 LABELLING_REASON_PREFIX = "labelling:"  # filtered_by_reason keys of user turns the labelling rules dropped
 
@@ -145,9 +146,9 @@ def _parquet_rows(filesystem, path: str, source: str, seed: int, fractions: dict
 
 
 def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fractions: dict, max_turn_chars: int,
-                labelling: dict | None = None) -> pa.Table:
+                labelling: dict | None = None, progress: tuple | None = None) -> pa.Table:
     """Rows of file paths -> PARSED_SCHEMA rows (one per file, per quarantined line, per example,
-    per user turn filtered by the labelling rules)."""
+    per user turn filtered by the labelling rules). ``progress``: ``(relay handle, total files)``."""
     rules = LabellingConfig.model_validate(labelling) if labelling else None
     rows: list[dict] = []
     for path in batch.column("path").to_pylist():
@@ -174,6 +175,8 @@ def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fraction
                 continue
             mine.extend(_record_rows(examples, filtered, source, line_no, seed, fractions))
         rows.extend([*mine, _file_row(source, mine, n_lines, n_blank)])
+    if progress:
+        relay.count(progress[0], "[data] read", batch.num_rows, progress[1], "files")
     return pa.Table.from_pylist(rows, schema=PARSED_SCHEMA)
 
 
@@ -202,7 +205,7 @@ class Encoder:
     tokenised with one call for its prompts and one for its targets (``encode_examples``)."""
 
     def __init__(self, base_model: str, resolved: str, cache_dir: str | None, weights: dict,
-                 max_prompt_tokens: int, max_length: int):
+                 max_prompt_tokens: int, max_length: int, progress: tuple | None = None):
         from clarifier.engine.models import load_tokenizer, resolve_base_model
         from clarifier.core.prompt import PromptOptions
         from clarifier.core.objective import SegmentWeights
@@ -213,6 +216,7 @@ class Encoder:
         self.weights = SegmentWeights(**weights)
         self.opts = PromptOptions(max_prompt_tokens=max_prompt_tokens)
         self.max_length = max_length
+        self.progress = progress  # (relay handle, total examples)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         from clarifier.core.objective import encode_examples
@@ -231,6 +235,8 @@ class Encoder:
                 continue
             r.update(input_ids=enc["input_ids"], labels=enc["labels"], loss_weights=enc["loss_weights"],
                      segment_ids=enc["segment_ids"], num_tokens=len(enc["input_ids"]))
+        if self.progress:
+            relay.count(self.progress[0], "[data] tokenise", len(rows), self.progress[1], "examples")
         return pa.Table.from_pylist(rows, schema=ENCODED_SCHEMA)
 
 

@@ -20,9 +20,14 @@ def _actor_class():
     class _Lines:
         def __init__(self):
             self._lines: list[str] = []
+            self._counts: dict[str, int] = {}
 
         def say(self, line: str) -> None:
             self._lines.append(line)
+
+        def count(self, key: str, n: int, total: int, unit: str) -> None:
+            done = self._counts[key] = self._counts.get(key, 0) + n
+            self._lines.append(f"{key}: {done}/{total} {unit}")
 
         def drain(self) -> list[str]:
             out, self._lines = self._lines, []
@@ -75,6 +80,13 @@ class ProgressRelay:
             ray.kill(self.handle)
         except Exception:
             pass
+
+
+def count(handle, key: str, n: int, total: int, unit: str) -> None:
+    """From a worker: ``n`` more ``unit`` of ``total`` done under ``key`` (e.g. ``[data] tokenise``); the
+    driver gets ``"<key>: <done>/<total> <unit>"`` with the sum over every worker. Nothing without a relay."""
+    if handle is not None and n:
+        handle.count.remote(key, n, total, unit)
 
 
 def say(handle, line: str) -> None:
