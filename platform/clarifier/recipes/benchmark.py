@@ -226,22 +226,27 @@ def _predict_model(model_dir: str, examples: list, cfg: ClarifierConfig, progres
 
 def _scored_row(engine, dev: list, examples: list, cfg: ClarifierConfig, progress: Progress,
                 dev_scores: list[float] | None = None) -> tuple[list, dict]:
-    """Decision-only predictions of ``engine`` on ``examples``, at a threshold chosen on ``dev`` by the
-    recipe's rule (on ``dev_scores`` when already computed)."""
+    """Decision-only predictions of ``engine`` on ``examples``, thresholded like a trained model: at the
+    threshold chosen on ``dev`` (the recipe's calibration split; on ``dev_scores`` when already computed)
+    by the same rule (``eval.max_over_asking``); 0.5 without a two-class ``dev``."""
     from clarifier.core.metrics import Prediction
     from clarifier.train.calibrate import choose_threshold
 
-    t0 = time.time()
+    calib = {"threshold": 0.5, "rule": "default (no calibration split)"}
     gold = [e.needs_clarification for e in dev]
-    if dev_scores is None:
-        dev_scores = engine.score_examples(dev, cfg.eval.batch_size)
-    thr, rule = choose_threshold(gold, dev_scores, cfg.eval.max_over_asking)
-    progress(f"[calibrate] threshold {thr:.3f} ({rule}) from {len(dev)} dev examples")
+    if len(set(gold)) == 2:
+        t_cal = time.time()
+        if dev_scores is None:
+            dev_scores = engine.score_examples(dev, cfg.eval.batch_size)
+        thr, rule = choose_threshold(gold, dev_scores, cfg.eval.max_over_asking)
+        calib = {"threshold": thr, "rule": rule, "n": len(dev), "seconds": round(time.time() - t_cal, 1)}
+        progress(f"[calibrate] {engine.version}: threshold {thr:.3f} ({rule}) from {len(dev)} dev examples")
+    t0 = time.time()
     scores = engine.score_examples(examples, cfg.eval.batch_size,
                                    lambda d, n: progress(f"[eval] {d}/{n}") if d == n or d % 64 == 0 else None)
-    info = {"threshold": thr, "calibration": {"threshold": thr, "rule": rule, "n": len(dev)},
-            "eval_seconds": round(time.time() - t0, 1)}
-    return [Prediction(needs_clarification=p >= thr, confidence=p) for p in scores], info
+    thr = calib["threshold"]
+    return ([Prediction(needs_clarification=p >= thr, confidence=p) for p in scores],
+            {"threshold": thr, "calibration": calib, "eval_seconds": round(time.time() - t0, 1)})
 
 
 def _predict_tokens(model_dir: str, dev: list, examples: list, cfg: ClarifierConfig, progress: Progress) -> tuple[list, dict]:
@@ -267,34 +272,14 @@ def _predict_probe(base_model: str, train: list, dev: list, examples: list, cfg:
     return preds, {**info, "base_model": base_model, "decision_head": fit}
 
 
-def _predict_zero_shot(base_model: str, examples: list, cfg: ClarifierConfig,
-                       progress: Progress) -> tuple[list, float, dict]:
-    """The prompted base model's P(clarify) on ``examples``, thresholded like a trained model: the
-    threshold is chosen on the recipe's calibration split by the same rule (``eval.max_over_asking``)."""
-    from clarifier.data.outputs import load_split
-    from clarifier.train.calibrate import choose_threshold
-    from clarifier.core.metrics import Prediction
+def _predict_zero_shot(base_model: str, dev: list, examples: list, cfg: ClarifierConfig,
+                       progress: Progress) -> tuple[list, dict]:
+    """The prompted base model's P(clarify) on ``examples`` (decision only), thresholded like a trained model."""
     from clarifier.engine.inference import ClarifierEngine
 
     engine = ClarifierEngine.from_base(base_model, cache_dir=cfg.model.cache_dir, threshold=0.5,
                                        precision=cfg.model.precision)
-    calib = {"threshold": 0.5, "rule": "default (no calibration split)"}
-    split = cfg.eval.calibration_split
-    dev = load_split(cfg.data.output, split) if split else []
-    gold = [e.needs_clarification for e in dev]
-    if len(set(gold)) == 2:
-        t_cal = time.time()
-        dev_scores = engine.score_examples(dev, cfg.eval.batch_size)
-        thr, rule = choose_threshold(gold, dev_scores, cfg.eval.max_over_asking)
-        calib = {"threshold": thr, "rule": rule, "n": len(dev), "seconds": round(time.time() - t_cal, 1)}
-        progress(f"[calibrate] {base_model}: threshold {thr:.3f} ({rule}) from {len(dev)} {split} examples")
-    t0 = time.time()
-    scores = engine.score_examples(examples, cfg.eval.batch_size,
-                                   lambda d, n: progress(f"[eval] {d}/{n}") if d == n or d % 64 == 0 else None)
-    del engine
-    thr = calib["threshold"]
-    return ([Prediction(needs_clarification=p >= thr, confidence=p) for p in scores], round(time.time() - t0, 1),
-            calib)
+    return _scored_row(engine, dev, examples, cfg, progress)
 
 
 def _encoder_row(row: EncoderPlan, train: list, dev: list, examples: list, cfg: ClarifierConfig, progress: Progress,
@@ -402,9 +387,10 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
     with clock.stage("rule baselines"):
         for name in plan.rule_baselines:
             add_row(name, "rule", baseline_predictions(name, examples))
-    # The train and calibration splits as examples, read once for the rows fitted in this process.
+    # The train and calibration splits as examples, read once for the rows fitted or calibrated in this process.
     calibration = base.eval.calibration_split
-    need_splits = plan.source_only or bool(plan.encoders) or bool(plan.probes) or plan.decision_token_rows
+    need_splits = (plan.source_only or bool(plan.encoders) or bool(plan.probes) or bool(plan.zero_shot)
+                   or plan.decision_token_rows)
     train_split = load_split(base.data.output, "train") if need_splits else []
     dev_split = load_split(base.data.output, calibration) if need_splits and calibration else []
     train_mix = {}
@@ -421,17 +407,18 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
             add_row("source_only", "control", preds, threshold=thr)
     for name, model in plan.zero_shot.items():
         with clock.stage(f"zero-shot {name} ({model})"):
-            preds, secs, calib = _predict_zero_shot(model, examples, base, progress)
-            add_row(name, "zero-shot", preds, base_model=model, eval_seconds=secs, threshold=calib["threshold"],
-                    calibration=calib)
+            preds, info = _predict_zero_shot(model, dev_split, examples, base, progress)
+            add_row(name, "zero-shot", preds, base_model=model, **info)
     for name, extra in plan.variants.items():
         cfg = _variant_cfg(base, plan.recipe, plan, name, extra, workdir)
         with clock.stage(f"train {name} ({' '.join(extra) or 'the recipe'})"):
             tr = _train(cfg, progress)
         head, tokens = _head_summary(tr["model_dir"]), None
-        if head and plan.decision_token_rows and dev_split:
+        if head and plan.decision_token_rows:
             with clock.stage(f"evaluate {name} deciding from its decision tokens"):
-                tokens = _predict_tokens(tr["model_dir"], dev_split, examples, cfg, progress)
+                dev = (dev_split if cfg.data.output == base.data.output or not calibration
+                       else load_split(cfg.data.output, calibration))  # the variant's own calibration split
+                tokens = _predict_tokens(tr["model_dir"], dev, examples, cfg, progress)
         with clock.stage(f"evaluate {name}"):
             keep = workdir / "models" / name if name in plan.keep_models else None
             preds, thr, secs = _predict_model(tr.pop("model_dir"), examples, cfg, progress, keep)
