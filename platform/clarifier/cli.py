@@ -168,7 +168,8 @@ def quickstart(
 
 
 def verdict_lines(summary: dict) -> list[tuple[str, bool]]:
-    """Whether the trained model beat each baseline on its own held-out split, and by how much."""
+    """Whether the trained model beat each baseline on its own held-out split, and by how much: F1 at each
+    one's own operating point, then (where the summary has it) recall at the baseline's over-asking rate."""
     f1, oa = summary["decision_f1"], summary["over_asking_rate"]
     out = []
     for b in ("lexical", "always_ask", "base_model"):
@@ -178,6 +179,12 @@ def verdict_lines(summary: dict) -> list[tuple[str, bool]]:
         head = (f"the trained model beats {b} by {d:+.3f} F1" if d > 0 else
                 f"note: on decision F1 the trained model did NOT beat {b} ({d:+.3f})")
         out.append((f"{head}: {f1['model']:.3f} vs {f1[b]:.3f}, over-asking {oa['model']:.3f} vs {oa[b]:.3f}", d > 0))
+        same = summary.get("at_baseline_over_asking", {}).get(b)
+        if same:
+            dr = same["model_recall"] - same["baseline_recall"]
+            out.append((f"  asking as often as {b} (over-asking {same['over_asking']:.3f}), the model's scores catch "
+                        f"{same['model_recall']:.3f} of the turns that need a question vs {same['baseline_recall']:.3f} "
+                        f"({dr:+.3f}; threshold picked on the test split: rankings compared at equal cost)", dr > 0))
     return out
 
 

@@ -7,6 +7,7 @@ evaluation with baselines -> MLflow registry (alias ``champion``) -> Ray Serve e
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import time
@@ -16,6 +17,10 @@ from clarifier.core.config import ClarifierConfig, load_config
 from clarifier.runtime.services import free_port, mlflow_env, port_busy, start_mlflow_server
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("quickstart.yaml")  # package data: works from a wheel too
+
+# The logs the quickstart writes: data.synthetic_conversations conversations of each generator, seed data.seed
+# (the quickstart's 7; the built-in clarifier it continues was trained on seed 0 of both).
+LOG_GENERATORS = {"synthetic": "ambiguity from earlier turns", "synthetic_rag": "ambiguity in the retrieved passages"}
 
 N_EXAMPLE_REQUESTS = 4  # sent to the endpoint at the end: held-out test turns, half needing clarification
 
@@ -59,20 +64,24 @@ def run_quickstart(workdir: str | Path = ".clarifier/quickstart", config: str | 
 def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress, t_all) -> dict:
     from clarifier.runtime import storage
     from clarifier.data.pipeline import prepare
-    from clarifier.data.synthetic import write_logs
+    from clarifier.data.sources import GENERATORS
     from clarifier.evaluation.evaluate import evaluate
     from clarifier.registry.registry import register_adapter
     from clarifier.train.trainer import train
 
-    stage(2, f"synthetic conversation logs -> {store / 'logs'}")
-    storage.delete_dir(str(store / "logs"))
-    files = write_logs(str(store / "logs"), cfg.data.synthetic_conversations, seed=cfg.data.seed)
-    progress(f"wrote {cfg.data.synthetic_conversations} conversations in {len(files)} JSONL shards")
+    stage(2, f"synthetic conversation logs ({' + '.join(LOG_GENERATORS)}) -> {cfg.data.input}")
+    storage.delete_dir(cfg.data.input)
+    for name in LOG_GENERATORS:  # each under its own folder; the conversations carry meta.source=<name>
+        write = importlib.import_module(GENERATORS[name]).write_logs
+        files = write(storage.join(cfg.data.input, name), cfg.data.synthetic_conversations, seed=cfg.data.seed)
+        progress(f"{name}: {cfg.data.synthetic_conversations} conversations in {len(files)} JSONL shards ({LOG_GENERATORS[name]})")
 
     stage(3, "Ray Data: logs -> validated, split, tokenised training examples (Parquet)")
     prepare(cfg, progress=progress)  # its last line gives the counts per split
 
-    stage(4, f"Ray Train: {'LoRA' if cfg.model.finetune == 'lora' else 'full'} fine-tuning of {cfg.model.base_model} with DeepSpeed ZeRO-{cfg.train.zero_stage}")
+    start = f", continuing {cfg.model.init_from}" if cfg.model.init_from else ""
+    stage(4, f"Ray Train: {'LoRA' if cfg.model.finetune == 'lora' else 'full'} fine-tuning of {cfg.model.base_model}{start} "
+             f"with DeepSpeed ZeRO-{cfg.train.zero_stage}")
     tr = train(cfg, progress=progress)
 
     import shutil
@@ -81,8 +90,8 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
     shutil.rmtree(kept, ignore_errors=True)
     shutil.copytree(tr.model_dir, kept)
 
-    stage(5, "evaluation on the held-out test split (model vs untrained base vs always-ask)")
-    report = evaluate(cfg, tr.model_dir, run_id=tr.run_id, out_dir=str(workdir / "eval"), progress=progress)
+    stage(5, "evaluation on the held-out test split (model vs the rules, always-ask and the untrained base)")
+    report = evaluate(cfg, tr.model_dir, run_id=tr.run_id, out_dir=str(workdir / "eval"), progress=progress, table=False)
 
     stage(6, f"MLflow registry: register and set alias {cfg.registry.alias!r}")
     m = report["models"]["model"]["metrics"]
@@ -96,23 +105,56 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
     stage(7, f"Ray Serve: deploy {uri} and send example requests")
     answers = _serve_examples(cfg, uri, progress)
 
+    metrics = {name: v["metrics"] for name, v in report["models"].items()}
     summary = {
         "seconds": round(time.time() - t_all, 1),
         "mlflow_run_id": tr.run_id,
         "model_dir": str(kept),
         "model_version": mv.version,
         "train_steps": tr.steps,
-        "decision_f1": {name: v["metrics"]["decision"]["f1"] for name, v in report["models"].items()},
-        "over_asking_rate": {name: v["metrics"]["decision"]["over_asking_rate"] for name, v in report["models"].items()},
+        "n_test": report["n"],
+        "decision_f1": {name: m["decision"]["f1"] for name, m in metrics.items()},
+        "over_asking_rate": {name: m["decision"]["over_asking_rate"] for name, m in metrics.items()},
+        "recall": {name: m["decision"]["recall"] for name, m in metrics.items()},
+        "within_source_auroc": {name: {s: d["auroc"] for s, d in m["within_source"]["by_source"].items()}
+                                for name, m in metrics.items() if m.get("within_source")},
+        "at_baseline_over_asking": _at_baseline_over_asking(report, baselines=("lexical",)),
         "report": report.get("paths", {}),
         "served": answers,
     }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    progress("\n== Final report (held-out synthetic test split, decision F1 of 'clarify')")
+    progress(f"\n== Final report: the decision to ask, on the held-out test split ({summary['n_test']} turns; every "
+             f"column and the plots: {report['paths']['markdown']})")
     for name, f1 in summary["decision_f1"].items():
-        progress(f"  {name:<12} F1 {f1:.3f}   over-asking {summary['over_asking_rate'][name]:.3f}")
+        if name == "never_ask":  # F1 0 by definition
+            continue
+        auroc = summary["within_source_auroc"].get(name, {})
+        per = ", ".join(f"{s} {a:.2f}" for s, a in auroc.items() if a is not None)
+        progress(f"  {name:<12} F1 {f1:.3f}   recall {summary['recall'][name]:.3f}   over-asking "
+                 f"{summary['over_asking_rate'][name]:.3f}" + (f"   AUROC {per}" if per and name not in ("always_ask", "never_ask") else ""))
     progress(f"done in {summary['seconds']:.0f}s; summary: {workdir / 'summary.json'}")
     return summary
+
+
+def _at_baseline_over_asking(report: dict, baselines: tuple[str, ...]) -> dict:
+    """For each baseline: the recall the model's scores reach when they may over-ask as often as the baseline
+    did (the threshold is picked on the test split itself: a comparison of rankings at equal cost, beside
+    the F1 of each at its own operating point)."""
+    from clarifier.core.metrics import recall_at_over_asking
+
+    path = report.get("paths", {}).get("scores")
+    if not path or not Path(path).exists():
+        return {}
+    scores = json.loads(Path(path).read_text())
+    out = {}
+    for b in baselines:
+        if "model" not in scores or b not in scores or b not in report["models"]:
+            continue
+        d = report["models"][b]["metrics"]["decision"]
+        r = recall_at_over_asking(scores["model"]["gold"], scores["model"]["scores"], d["over_asking_rate"])
+        if r is not None:
+            out[b] = {"over_asking": d["over_asking_rate"], "baseline_recall": d["recall"], "model_recall": r}
+    return out
 
 
 def example_requests(cfg: ClarifierConfig, n: int = N_EXAMPLE_REQUESTS) -> list[tuple[dict, bool]]:

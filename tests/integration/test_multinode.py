@@ -147,7 +147,8 @@ def test_data_and_training_jobs_run_across_two_nodes(two_node_cluster, s3_server
 
     # --- the training job -------------------------------------------------------------------------
     t0 = time.time()
-    last, out = _submit(["train", "--submit", url, *common, "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]",
+    last, out = _submit(["train", "--submit", url, *common, "model.lora.r=4", "model.init_from=null", "train.decision_head.enabled=false",
+                         "model.lora.target_modules=[q_proj,v_proj]",
                          "train.num_workers=2", "train.cpus_per_worker=1", "train.placement_strategy=STRICT_SPREAD",
                          "train.micro_batch_size=2", "train.max_steps=4", "train.warmup_steps=1",
                          "train.checkpoint_every=2", "train.max_minutes=null", "train.run_name=multinode",

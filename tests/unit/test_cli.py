@@ -111,6 +111,32 @@ def test_quickstart_says_by_how_much_the_model_beats_each_baseline():
                      "over-asking 0.100 vs 0.300", False)]
 
 
+def test_quickstart_compares_recall_at_the_rules_over_asking(tmp_path):
+    """F1 at each one's own operating point can favour a rule that asks 3x as often; the summary also says what
+    the model's scores catch when they may over-ask as often as the rule did."""
+    import json
+
+    from clarifier.cli import verdict_lines
+    from clarifier.quickstart import _at_baseline_over_asking
+
+    gold = [True] * 4 + [False] * 6
+    scores = {"model": {"gold": gold, "scores": [0.9, 0.8, 0.7, 0.05, 0.6, 0.1, 0.1, 0.1, 0.1, 0.1]},
+              "lexical": {"gold": gold, "scores": [0.5] * 10}}
+    (tmp_path / "scores.json").write_text(json.dumps(scores))
+    dec = {"over_asking_rate": 2 / 6, "recall": 0.5}
+    report = {"paths": {"scores": str(tmp_path / "scores.json")}, "models": {"lexical": {"metrics": {"decision": dec}}}}
+    same = _at_baseline_over_asking(report, ("lexical", "always_ask"))
+    assert same == {"lexical": {"over_asking": 2 / 6, "baseline_recall": 0.5, "model_recall": 0.75}}  # 0.05 is below five clear turns
+    assert _at_baseline_over_asking({"paths": {}, "models": {}}, ("lexical",)) == {}  # no scores file: nothing claimed
+
+    lines = verdict_lines({"decision_f1": {"model": 0.5, "lexical": 0.6}, "over_asking_rate": {"model": 0.0, "lexical": 2 / 6},
+                           "at_baseline_over_asking": same})
+    assert lines[0][1] is False and "did NOT beat lexical" in lines[0][0]
+    assert lines[1] == ("  asking as often as lexical (over-asking 0.333), the model's scores catch 0.750 of the turns that "
+                        "need a question vs 0.500 (+0.250; threshold picked on the test split: rankings compared at equal "
+                        "cost)", True)
+
+
 def test_quickstart_shows_each_example_answer_on_one_line():
     from clarifier.core.schema import ClarifyResponse
     from clarifier.quickstart import _one_line

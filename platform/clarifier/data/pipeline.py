@@ -251,7 +251,14 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
     ray = _ensure_ray()
     # Row counts from the workers (files read, examples tokenised), to ``progress`` as they happen.
     with ProgressRelay(progress) as counts:
-        return _prepare_with(ray, cfg, progress, counts.handle)
+        def say(line: str) -> None:  # the workers' counts first, then the driver's line about their stage
+            try:
+                counts.flush()
+            except Exception:  # the relay actor is gone: the driver's line still goes out
+                pass
+            progress(line)
+
+        return _prepare_with(ray, cfg, say, counts.handle)
 
 
 def _prepare_with(ray, cfg: ClarifierConfig, progress: Callable[[str], None], relay_handle) -> dict:

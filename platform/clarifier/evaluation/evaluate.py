@@ -129,11 +129,12 @@ def _predict(cfg: ClarifierConfig, spec: dict, examples: list[Example], *, engin
 
 
 def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, run_id: str | None = None,
-             out_dir: str | None = None, progress=print) -> dict:
+             out_dir: str | None = None, progress=print, table: bool = True) -> dict:
     """Evaluate ``model_uri`` (models:/, runs:/, s3:// or folder) and the configured baselines.
 
     Returns the report dict (also written as JSON/Markdown/PNG to ``out_dir`` and, with
     ``run_id``, logged to that MLflow run as metrics ``eval/<metric>`` and artifacts ``eval/``).
+    ``table=False`` leaves the table out of ``progress`` (the quickstart ends with its own summary).
     Scoring and generation run in this process (``eval.engine=local``) or in a pool of Ray Data
     actors (``eval.engine=ray``); the always-ask, never-ask and lexical baselines are always in it.
     """
@@ -154,8 +155,9 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
         raise ValueError(f"no evaluation examples in {data} (split {cfg.eval.split!r}; "
                          f"{len(ed.skipped)} malformed lines skipped)")
     gold = [e.needs_clarification for e in examples]
+    precision = describe(cfg.model.precision, "cuda" if cfg.eval.ray_gpus_per_actor else "cpu")
     progress(f"[eval] {len(examples)} examples ({sum(gold)} need clarification) from {data}"
-             + (f"; {len(ed.skipped)} malformed lines skipped" if ed.skipped else ""))
+             + (f"; {len(ed.skipped)} malformed lines skipped" if ed.skipped else "") + f"; inference in {precision}")
 
     def bar(name):
         def _p(done, total):
@@ -168,8 +170,6 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     meta = read_meta(resolved.folder)
     spec = {"model_uri": model_uri, "tracking_uri": tracking_uri, "cache_dir": cfg.model.cache_dir,
             "max_new_tokens": cfg.eval.max_new_tokens, "precision": cfg.model.precision}
-    precision = describe(cfg.model.precision, "cuda" if cfg.eval.ray_gpus_per_actor else "cpu")
-    progress(f"[eval] inference precision {precision}")
     sim_fn, sim_info = similarity_fn_for(cfg, progress)
 
     def row(preds, **extra) -> dict:
@@ -208,7 +208,8 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     out = Path(out_dir or tempfile.mkdtemp(prefix="clarifier-eval-"))
     paths = write_report(report, out)
     (out / "samples.json").write_text(json.dumps(samples, indent=2))
-    progress(format_table(report))
+    if table:
+        progress(format_table(report))
     if run_id:
         _log_to_mlflow(run_id, report, out, tracking_uri)
     report["paths"] = {k: str(v) for k, v in paths.items()}

@@ -46,6 +46,7 @@ class ProgressRelay:
         self.handle = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()  # one drain at a time: lines keep their order
 
     def __enter__(self) -> "ProgressRelay":
         self.handle = _actor_class().remote()
@@ -53,16 +54,19 @@ class ProgressRelay:
         self._thread.start()
         return self
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Pass on what the workers sent so far (the driver calls it before a line of its own about the same
+        stage, so that the workers' last counts come before it, not after)."""
         import ray
 
-        for line in ray.get(self.handle.drain.remote(), timeout=30):
-            self.progress(line)
+        with self._lock:
+            for line in ray.get(self.handle.drain.remote(), timeout=30):
+                self.progress(line)
 
     def _pump(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self._flush()
+                self.flush()
             except Exception:  # the driver is shutting down or the actor is gone: nothing to show
                 return
 
@@ -73,7 +77,7 @@ class ProgressRelay:
         if self._thread is not None:
             self._thread.join(timeout=5)
         try:
-            self._flush()
+            self.flush()
         except Exception:
             pass
         try:

@@ -96,8 +96,9 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
     init = None
     if cfg.model.init_from:
         init = check_init_from(cfg, base_path, tracking_uri)
-        progress(f"[train] starting from the adapter of {cfg.model.init_from} ({init['version']}: LoRA r={init['r']}, "
-                 f"{init['target_modules']})")
+        version = "" if init["version"] == cfg.model.init_from else f"{init['version']}: "
+        progress(f"[train] starting from the adapter of {cfg.model.init_from} ({version}LoRA r={init['r']} on "
+                 f"{','.join(init['target_modules'])})")
 
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment(t.experiment)
