@@ -131,7 +131,7 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
         auroc = summary["within_source_auroc"].get(name, {})
         per = ", ".join(f"{s} {a:.2f}" for s, a in auroc.items() if a is not None)
         progress(f"  {name:<12} F1 {f1:.3f}   recall {summary['recall'][name]:.3f}   over-asking "
-                 f"{summary['over_asking_rate'][name]:.3f}" + (f"   AUROC {per}" if per and name not in ("always_ask", "never_ask") else ""))
+                 f"{summary['over_asking_rate'][name]:.3f}" + (f"   AUROC {per}" if per and name != "always_ask" else ""))
     progress(f"done in {summary['seconds']:.0f}s; summary: {workdir / 'summary.json'}")
     return summary
 
@@ -139,19 +139,19 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
 def _at_baseline_over_asking(report: dict, baselines: tuple[str, ...]) -> dict:
     """For each baseline: the recall the model's scores reach when they may over-ask as often as the baseline
     did (the threshold is picked on the test split itself: a comparison of rankings at equal cost, beside
-    the F1 of each at its own operating point)."""
+    the F1 of each at its own operating point). ``report`` is what ``evaluate`` returns (per-example scores
+    included)."""
     from clarifier.core.metrics import recall_at_over_asking
 
-    path = report.get("paths", {}).get("scores")
-    if not path or not Path(path).exists():
+    model = report["models"].get("model", {})
+    if "scores" not in model:
         return {}
-    scores = json.loads(Path(path).read_text())
     out = {}
     for b in baselines:
-        if "model" not in scores or b not in scores or b not in report["models"]:
+        if b not in report["models"]:
             continue
         d = report["models"][b]["metrics"]["decision"]
-        r = recall_at_over_asking(scores["model"]["gold"], scores["model"]["scores"], d["over_asking_rate"])
+        r = recall_at_over_asking(model["gold"], model["scores"], d["over_asking_rate"])
         if r is not None:
             out[b] = {"over_asking": d["over_asking_rate"], "baseline_recall": d["recall"], "model_recall": r}
     return out

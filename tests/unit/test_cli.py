@@ -111,23 +111,19 @@ def test_quickstart_says_by_how_much_the_model_beats_each_baseline():
                      "over-asking 0.100 vs 0.300", False)]
 
 
-def test_quickstart_compares_recall_at_the_rules_over_asking(tmp_path):
+def test_quickstart_compares_recall_at_the_rules_over_asking():
     """F1 at each one's own operating point can favour a rule that asks 3x as often; the summary also says what
     the model's scores catch when they may over-ask as often as the rule did."""
-    import json
-
     from clarifier.cli import verdict_lines
     from clarifier.quickstart import _at_baseline_over_asking
 
     gold = [True] * 4 + [False] * 6
-    scores = {"model": {"gold": gold, "scores": [0.9, 0.8, 0.7, 0.05, 0.6, 0.1, 0.1, 0.1, 0.1, 0.1]},
-              "lexical": {"gold": gold, "scores": [0.5] * 10}}
-    (tmp_path / "scores.json").write_text(json.dumps(scores))
     dec = {"over_asking_rate": 2 / 6, "recall": 0.5}
-    report = {"paths": {"scores": str(tmp_path / "scores.json")}, "models": {"lexical": {"metrics": {"decision": dec}}}}
+    report = {"models": {"model": {"gold": gold, "scores": [0.9, 0.8, 0.7, 0.05, 0.6, 0.1, 0.1, 0.1, 0.1, 0.1]},
+                         "lexical": {"metrics": {"decision": dec}, "gold": gold, "scores": [0.5] * 10}}}
     same = _at_baseline_over_asking(report, ("lexical", "always_ask"))
     assert same == {"lexical": {"over_asking": 2 / 6, "baseline_recall": 0.5, "model_recall": 0.75}}  # 0.05 is below five clear turns
-    assert _at_baseline_over_asking({"paths": {}, "models": {}}, ("lexical",)) == {}  # no scores file: nothing claimed
+    assert _at_baseline_over_asking({"models": {"model": {"metrics": {}}}}, ("lexical",)) == {}  # no scores: nothing claimed
 
     lines = verdict_lines({"decision_f1": {"model": 0.5, "lexical": 0.6}, "over_asking_rate": {"model": 0.0, "lexical": 2 / 6},
                            "at_baseline_over_asking": same})
