@@ -7,7 +7,6 @@ evaluation with baselines -> MLflow registry (alias ``champion``) -> Ray Serve e
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import time
@@ -64,17 +63,17 @@ def run_quickstart(workdir: str | Path = ".clarifier/quickstart", config: str | 
 def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress, t_all) -> dict:
     from clarifier.runtime import storage
     from clarifier.data.pipeline import prepare
-    from clarifier.data.sources import GENERATORS
+    from clarifier.core.config import SourceConfig
+    from clarifier.data.sources import generate_source
     from clarifier.evaluation.evaluate import evaluate
     from clarifier.registry.registry import register_adapter
     from clarifier.train.trainer import train
 
     stage(2, f"synthetic conversation logs ({' + '.join(LOG_GENERATORS)}) -> {cfg.data.input}")
     storage.delete_dir(cfg.data.input)
-    for name in LOG_GENERATORS:  # each under its own folder; the conversations carry meta.source=<name>
-        write = importlib.import_module(GENERATORS[name]).write_logs
-        files = write(storage.join(cfg.data.input, name), cfg.data.synthetic_conversations, seed=cfg.data.seed)
-        progress(f"{name}: {cfg.data.synthetic_conversations} conversations in {len(files)} JSONL shards ({LOG_GENERATORS[name]})")
+    for name in LOG_GENERATORS:  # each under <data.input>/<name>/; the conversations carry meta.source=<name>
+        wrote = generate_source(SourceConfig(importer=name), cfg.data)
+        progress(f"{name}: {wrote['conversations']} conversations in {len(wrote['files'])} JSONL shards ({LOG_GENERATORS[name]})")
 
     stage(3, "Ray Data: logs -> validated, split, tokenised training examples (Parquet)")
     prepare(cfg, progress=progress)  # its last line gives the counts per split

@@ -152,7 +152,7 @@ def _import_source(src: SourceConfig, mirror: str | None = None) -> tuple[list[E
     return examples, skipped, location
 
 
-def _generate_source(src: SourceConfig, d: DataConfig) -> dict:
+def generate_source(src: SourceConfig, d: DataConfig) -> dict:
     """Write a generator source's conversation logs under ``<data.input>/<name>/``; its report entry."""
     name = src.source_name
     if src.max_examples is not None:
@@ -178,7 +178,7 @@ def materialize_sources(d: DataConfig, progress: Callable[[str], None] = print) 
     for src in d.sources:
         name = src.source_name
         if src.importer in GENERATORS:
-            report[name] = _generate_source(src, d)
+            report[name] = generate_source(src, d)
             progress(f"[sources] {name}: {report[name]['conversations']} {src.importer} conversations")
             continue
         examples, skipped, location = _import_source(src, d.mirror)
