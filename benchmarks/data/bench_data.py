@@ -4,10 +4,12 @@
     .venv/bin/python benchmarks/data/bench_data.py --conversations 500 --skip-memory
 
 1. **Throughput** (conversations/s) of ``clarifier.data.pipeline.prepare`` on a local Ray with 1 and
-   2 tokenising workers, against a single-process pandas/json implementation of the same transform (parse and
-   validate each line, split by conversation, deduplicate, tokenise, write Parquet per split) on the
-   same input; ratios in the same run. Ray start-up is outside the timed region; the tokenizer is
-   the real SmolLM2-135M-Instruct one.
+   2 logical CPUs (as many tokenising actors), against a single-process pandas/json implementation of
+   the same transform (load the tokenizer, parse and validate each line, split by conversation,
+   deduplicate, tokenise, write Parquet per split) on the same input; ratios in the same run. Ray
+   start-up is outside the timed region; the tokenizer is the real SmolLM2-135M-Instruct one, its
+   Rust thread pool off everywhere (``TOKENIZERS_PARALLELISM=false``, as the job's workers run), so
+   the single process uses one core.
 2. **Peak memory** of the driver and of the Ray workers for the input and for 10x the input
    (streaming: both should stay roughly flat).
 3. **Packing efficiency**: share of non-padding tokens with packing (blocks of ``--block-length``)
@@ -35,9 +37,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data" / "public"
 
 
-def baseline_transform(files: list[Path], out: Path, tokenizer, cfg) -> dict:
+def baseline_transform(files: list[Path], out: Path, tokenizer_path: str, cfg) -> dict:
     """The data job's transform in one process with json + pandas (no Ray)."""
     import pandas as pd
+
+    from clarifier.engine.models import load_tokenizer
 
     from clarifier.data.stages import dedup_key
     from clarifier.data.split import assign_split
@@ -45,6 +49,7 @@ def baseline_transform(files: list[Path], out: Path, tokenizer, cfg) -> dict:
     from clarifier.core.prompt import PromptOptions
     from clarifier.core.objective import SegmentWeights, encode_examples
 
+    tokenizer = load_tokenizer(tokenizer_path)
     d = cfg.data
     rows, quarantined = [], 0
     for f in files:
@@ -104,25 +109,24 @@ def _config(logs: Path, out: Path, base_model: str):
 
 def throughput_and_memory(n: int, base_model: str, tmp: Path, skip_memory: bool, say) -> dict:
     from clarifier.data.synthetic import write_logs
-    from clarifier.engine.models import load_tokenizer, resolve_base_model
+    from clarifier.engine.models import resolve_base_model
 
     logs = tmp / f"logs-{n}"
     write_logs(str(logs), n, seed=1, shards=8)
     files = sorted(logs.glob("*.jsonl"))
     cfg = _config(logs, tmp / "out-ray", base_model)
-    tok = load_tokenizer(resolve_base_model(base_model))
+    resolved = resolve_base_model(base_model)
     say(f"baseline (single process) on {n} conversations")
     with PeakMemory() as mem:
         t0 = time.perf_counter()
-        base = baseline_transform(files, tmp / "out-baseline", tok, cfg)
+        base = baseline_transform(files, tmp / "out-baseline", resolved, cfg)
         base_s = time.perf_counter() - t0
     result = {"conversations": n, "baseline": {"seconds": round(base_s, 2), **base, **mem.result()}}
-    # "N workers": the data job's tokeniser actor pool is sized cluster CPUs - 1, so a Ray
-    # instance with N + 1 logical CPUs runs N tokenising workers (the spare CPU keeps the read,
-    # shuffle and write tasks schedulable; with a single logical CPU the actor would starve them).
+    # "N workers": a Ray instance with N logical CPUs; the job parses with N tasks at a time, then
+    # tokenises and writes with N actors (data.encode_actors defaults to the usable CPUs).
     for workers in (1, 2):
-        say(f"Ray data job with {workers} worker(s) ({workers + 1} logical CPUs)")
-        result[f"ray_{workers}w"] = {"logical_cpus": workers + 1, **_time_pipeline(cfg, workers + 1)}
+        say(f"Ray data job with {workers} worker(s) ({workers} logical CPUs)")
+        result[f"ray_{workers}w"] = {"logical_cpus": workers, **_time_pipeline(cfg, workers)}
     for k in ("baseline", "ray_1w", "ray_2w"):
         result[k]["conversations_per_s"] = round(n / result[k]["seconds"], 1)
     rate = {k: result[k]["conversations_per_s"] for k in ("baseline", "ray_1w", "ray_2w")}
@@ -135,7 +139,7 @@ def throughput_and_memory(n: int, base_model: str, tmp: Path, skip_memory: bool,
         big = logs.parent / f"logs-{10 * n}"
         write_logs(str(big), 10 * n, seed=2, shards=80)
         say(f"Ray data job with 2 CPUs on 10x the input ({10 * n} conversations)")
-        r10 = _time_pipeline(_config(big, tmp / "out-10x", base_model), 3)
+        r10 = _time_pipeline(_config(big, tmp / "out-10x", base_model), 2)
         result["memory_10x"] = {
             "input_x1": {k: result["ray_2w"][k] for k in ("driver_peak_mib", "workers_peak_mib", "worker_max_mib")},
             "input_x10": {k: r10[k] for k in ("driver_peak_mib", "workers_peak_mib", "worker_max_mib")},
@@ -214,6 +218,8 @@ def main() -> None:
 
     def say(msg: str) -> None:
         print(f"[bench-data] {msg}", flush=True)
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core for the single process, as in the job's workers
 
     result: dict = {"params": vars(args)}
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:

@@ -169,6 +169,9 @@ class DataConfig(_Strict):
         "sort", description="Ray Data shuffle behind the data job's aggregates (counts, duplicate keys): sort = the "
                             "task-based pull shuffle (an aggregate ~1.6 s on a 2-core box), hash = Ray's actor-based "
                             "hash shuffle (~5.7 s there; scales to more partitions on a large cluster).")
+    encode_actors: int | None = Field(
+        None, ge=1, description="Actors that tokenise and write the examples (one CPU each); default: the cluster's "
+                                "CPUs (a local instance: the machine's cores).")
     silver_grounding: SilverGroundingConfig = SilverGroundingConfig()
     packing: PackingConfig = PackingConfig()
     labelling: LabellingConfig = LabellingConfig()

@@ -3,7 +3,7 @@
     manifest = prepare(cfg)             # a Ray Data job; ray.init() is the caller's (or done here)
     examples = load_split(cfg.data.output, "test")   # clarifier.data.outputs: what later stages read
 
-Stages (all Ray Data, nothing but small counts is collected in the driver):
+Stages (all Ray Data; the driver collects counts, the duplicated keys and one 8-byte hash per kept conversation):
 
 1. **read** every ``*.jsonl`` / ``*.jsonl.gz`` / ``*.parquet`` under ``data.input`` (folder, file
    or ``s3://`` prefix; ``data.formats``): a dataset of file paths, each file read (and gunzipped)
@@ -21,14 +21,18 @@ Stages (all Ray Data, nothing but small counts is collected in the driver):
    alone (``dedup_key``, ``order_key``; the examples themselves are not shuffled) finds each key
    seen more than once and its first row (by source, line, id); only those keys reach the driver,
    and the rows after the first are filtered with reason ``duplicate`` as they stream past;
-5. **tokenise** with :func:`clarifier.core.objective.encode_examples` in a fixed actor pool (one
-   tokenizer per actor, the cluster's CPUs but one; a batch's prompts and targets tokenised in
-   one call each); an example whose sequence exceeds ``data.max_length`` (its target would be cut)
-   is filtered with reason ``too_long``. With ``data.silver_grounding`` the MiniLM grounder runs
-   before it, in the same stream; the one materialization of the job after parsing is here;
-6. **write** ``<output>/{train,dev,test}/`` Parquet, ``<output>/quarantine/`` (bad lines),
-   ``<output>/filtered/`` (valid examples that were dropped, with their reason) and finally
-   ``<output>/manifest.json``. A previous output (one with a manifest) is deleted first.
+5. **tokenise and write** in one pass of a fixed actor pool (:class:`clarifier.data.stages.EncodeAndWrite`,
+   one actor per usable CPU, ``data.encode_actors``; one tokenizer per actor): each batch of examples is
+   tokenised with :func:`clarifier.core.objective.encode_examples` (an example whose sequence exceeds
+   ``data.max_length``, i.e. whose target would be cut, is filtered with reason ``too_long``), its
+   duplicates marked, and its rows written as Parquet straight from the actor to
+   ``<output>/{train,dev,test}/`` (kept), ``<output>/filtered/`` (dropped, with their reason) and, with
+   packing, ``<output>/train_packed/``; only the batch's counts come back (the distinct conversations
+   as one 8-byte hash each). Tokenised rows never enter the object store and nothing re-reads them.
+   With ``data.silver_grounding`` the MiniLM grounder runs first (materialized);
+6. ``<output>/quarantine/`` (bad lines) and the labelling rules' ``filtered/`` rows are written from the
+   parsed rows, and finally ``<output>/manifest.json``. A previous output (one with a manifest) is
+   deleted first.
 
 Counting rules (also written into the manifest): a **row** is one non-blank input line
 (whitespace-only lines are skipped and counted as ``blank_lines``; an unreadable ``.gz`` file
@@ -46,13 +50,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from clarifier.core.config import ClarifierConfig
 from clarifier.data.grounding import AGREE_COLUMNS
 from clarifier.data.outputs import (FILTERED_COLUMNS, FILTERED_DIR, MANIFEST, PACKED_DIR, QUARANTINE_COLUMNS,
                                     QUARANTINE_DIR, SPLIT_COLUMNS)
-from clarifier.data.stages import EXAMPLE_FIELDS, FILE_COUNTS, Encoder, mark_duplicates, parse_files
+from clarifier.data.stages import EXAMPLE_FIELDS, FILE_COUNTS, EncodeAndWrite, parse_files
 from clarifier.runtime import storage
-from clarifier.runtime.cluster import git_commit
+from clarifier.runtime.cluster import git_commit, usable_cpus
 
 SUFFIXES = {"jsonl": ".jsonl", "jsonl.gz": ".jsonl.gz", "parquet": ".parquet"}
 
@@ -171,39 +177,31 @@ def _silver_section(sg, groups: list[dict], progress) -> dict:
     return section
 
 
-def _pack_train(encoded, cfg: ClarifierConfig, pad_id: int, split_counts: dict, progress) -> dict:
-    """Padding efficiency of the train split always; packed blocks in ``train_packed/`` when enabled."""
-    from ray.data.expressions import col
-
-    from clarifier.data.packing import efficiency, pack_table, padding_stats
+def _packing_section(counted: list[dict], cfg: ClarifierConfig, split_counts: dict, progress) -> dict:
+    """The manifest's packing section from the writers' counts: padding efficiency of the train split
+    always (each batch's kept train rows padded in consecutive micro-batches); the packed blocks
+    written to ``train_packed/`` when enabled."""
+    from clarifier.data.packing import efficiency
 
     d = cfg.data
     section: dict = {"enabled": d.packing.enabled}
     if not split_counts.get("train", {}).get("examples"):
         return section
-    kept_train = (col("split") == "train") & (col("status") == "ok")
     mb = cfg.train.micro_batch_size
-    lengths = encoded.select_columns(["split", "status", "num_tokens"]).filter(expr=kept_train)
-    pad = lengths.map_batches(padding_stats, batch_size=1024, batch_format="pyarrow", fn_kwargs={"micro_batch_size": mb})
-    totals = pad.sum(["tokens", "slots"]) or {}
-    tokens, slots = int(totals.get("sum(tokens)") or 0), int(totals.get("sum(slots)") or 0)
+    pad = [r for r in counted if r["kind"] == "padding"]
+    tokens, slots = sum(int(r["tokens"]) for r in pad), sum(int(r["slots"]) for r in pad)
     section["padding"] = {"micro_batch_size": mb, "tokens": tokens, "slots": slots, "efficiency": efficiency(tokens, slots)}
     if d.packing.enabled:
-        blocks = encoded.filter(expr=kept_train).map_batches(pack_table, batch_size=1024, batch_format="pyarrow",
-                                   fn_kwargs={"block_length": d.packing.block_length, "pad_id": pad_id}).materialize()
-        uri = storage.join(d.output, PACKED_DIR)
-        fs, path = storage.filesystem(uri)
-        blocks.write_parquet(path, filesystem=fs)
-        n_blocks = blocks.count()
-        s = blocks.sum(["num_tokens", "num_examples"]) or {}
-        packed_tokens = int(s.get("sum(num_tokens)") or 0)
+        packed = [r for r in counted if r["kind"] == "packed"]
+        n_blocks = sum(int(r["blocks"]) for r in packed)
+        packed_tokens = sum(int(r["tokens"]) for r in packed)
         section.update({
             "block_length": d.packing.block_length,
             "blocks": n_blocks,
-            "examples": int(s.get("sum(num_examples)") or 0),
+            "examples": sum(int(r["n"]) for r in packed),
             "tokens": packed_tokens,
             "efficiency": efficiency(packed_tokens, n_blocks * d.packing.block_length),
-            "output": uri,
+            "output": storage.join(d.output, PACKED_DIR),
         })
         progress(f"[data] packed {section['examples']} train examples into {n_blocks} blocks of "
                  f"{d.packing.block_length} tokens: {section['efficiency']:.1%} non-padding "
@@ -263,10 +261,10 @@ def _prepare(cfg: ClarifierConfig, progress: Callable[[str], None]) -> dict:
 
 def _prepare_with(ray, cfg: ClarifierConfig, progress: Callable[[str], None], relay_handle) -> dict:
     import clarifier
-    from ray.data.aggregate import Count, CountDistinct, Min, Sum
+    from ray.data.aggregate import Count, Min
     from ray.data.expressions import col
 
-    from clarifier.engine.models import load_tokenizer, resolve_base_model
+    from clarifier.engine.models import resolve_base_model
 
     d = cfg.data
     if not d.input:
@@ -296,21 +294,14 @@ def _prepare_with(ray, cfg: ClarifierConfig, progress: Callable[[str], None], re
     resolved = resolve_base_model(cfg.model.base_model, cfg.model.cache_dir)
     if Path(resolved).is_dir():
         resolved = str(Path(resolved).resolve())  # workers may run in another working directory
-    tok = load_tokenizer(resolved)
-    tokenizer_info = {
-        "base_model": cfg.model.base_model,
-        "resolved_path": resolved,
-        "name_or_path": getattr(tok, "name_or_path", resolved),
-        "vocab_size": len(tok),
-        "max_prompt_tokens": cfg.model.max_prompt_tokens,
-        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-    }
     if d.packing.enabled and d.packing.block_length < d.max_length:
         raise ValueError(
             f"data.packing.block_length={d.packing.block_length} is shorter than data.max_length={d.max_length}: "
             "an example could not fit in a block"
         )
-    del tok
+    # Loaded by the tokenising actors, which report what the manifest records of it (loading it
+    # here too would cost seconds of transformers and torch imports on the driver).
+    tokenizer_info: dict | None = None
 
     _clean_output(d.output, fractions)
 
@@ -372,35 +363,39 @@ def _prepare_with(ray, cfg: ClarifierConfig, progress: Callable[[str], None], re
             .aggregate(Count(alias_name="n"), Min("order_key", alias_name="first"))
             .filter(expr=col("n") > 1).take_all()
         }
-        cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
+        source = parsed  # EncodeAndWrite skips the rows that are not examples
         if d.silver_grounding.enabled:
             # Materialized: the grounder's actors give their CPUs back before the tokenisers start
             # (on a small cluster both pools and the tasks feeding them would not fit at once).
-            examples = _silver_grounding(ray, examples, d.silver_grounding, progress).materialize()
-        encoded = examples.map_batches(
-            Encoder,
+            source = _silver_grounding(ray, examples, d.silver_grounding, progress).materialize()
+        actors = d.encode_actors or usable_cpus(ray)
+        progress(f"[data] {len(first)} inputs seen more than once; tokenising and writing with {actors} actor(s)")
+        out_fs, out_path = storage.filesystem(d.output)
+        counted = source.map_batches(
+            EncodeAndWrite,
             fn_constructor_kwargs={
-                "base_model": cfg.model.base_model,
-                "resolved": resolved,
-                "cache_dir": cfg.model.cache_dir,
-                "weights": cfg.train.loss_weights.model_dump(),
-                "max_prompt_tokens": cfg.model.max_prompt_tokens,
-                "max_length": d.max_length,
-                "progress": (relay_handle, examples_n),
+                "encoder": {
+                    "base_model": cfg.model.base_model,
+                    "resolved": resolved,
+                    "cache_dir": cfg.model.cache_dir,
+                    "weights": cfg.train.loss_weights.model_dump(),
+                    "max_prompt_tokens": cfg.model.max_prompt_tokens,
+                    "max_length": d.max_length,
+                    "progress": (relay_handle, examples_n),
+                },
+                "first": first, "filesystem": out_fs, "output": out_path, "split_columns": SPLIT_COLUMNS,
+                "filtered_columns": FILTERED_COLUMNS, "micro_batch_size": cfg.train.micro_batch_size,
+                "packing": {"block_length": d.packing.block_length, "folder": PACKED_DIR} if d.packing.enabled else None,
             },
-            batch_size=256,
+            batch_size=1024,  # packing fills blocks from one batch's rows
             batch_format="pyarrow",
-            compute=ray.data.ActorPoolStrategy(size=max(1, cluster_cpus - 1)),
+            # The input is materialized, so no task has to run beside the actors: one per CPU.
+            compute=ray.data.ActorPoolStrategy(size=actors),
             num_cpus=1,
-        ).map_batches(mark_duplicates, batch_format="pyarrow", fn_kwargs={"first": first}).materialize()
-        progress(f"[data] tokenised; {len(first)} inputs seen more than once; writing splits")
-        # Counting reads a few small columns (projected first: the rows carry their token lists).
-        groups = encoded.select_columns(["split", "status", "grounding_source", "data_source", "clarify",
-                                         *AGREE_COLUMNS]).groupby(
-            ["split", "status", "grounding_source", "data_source"], num_partitions=1).aggregate(
-            Count(alias_name="n"), Sum("clarify", alias_name="clarify"),
-            *(Sum(k, alias_name=k) for k in AGREE_COLUMNS),
         ).take_all()
+        groups = [r for r in counted if r["kind"] == "group"]
+        tokenizer_info = next((json.loads(r["payload"]) for r in counted if r["kind"] == "tokenizer"), None)
+        conversations: dict[str, list] = {}
         for r in sorted(groups, key=lambda r: str(r["data_source"])):
             if r["status"] == "ok":
                 c = split_counts[r["split"]]
@@ -409,22 +404,20 @@ def _prepare_with(ray, cfg: ClarifierConfig, progress: Callable[[str], None], re
                 src = c.setdefault("by_source", {}).setdefault(str(r["data_source"]), {"examples": 0, "clarify": 0})
                 src["examples"] += int(r["n"])
                 src["clarify"] += int(r["clarify"] or 0)
+                conversations.setdefault(r["split"], []).append(np.asarray(r["conversations"], dtype=np.uint64))
             else:
                 filtered[r["status"]] = filtered.get(r["status"], 0) + int(r["n"])
+        for split, parts in conversations.items():
+            split_counts[split]["conversations"] = int(np.unique(np.concatenate(parts)).size)
         if d.silver_grounding.enabled:
             silver = _silver_section(d.silver_grounding, groups, progress)
-        kept = encoded.filter(expr=col("status") == "ok")
-        convs = encoded.select_columns(["split", "status", "conversation_id"]).filter(expr=col("status") == "ok")
-        for r in convs.groupby("split", num_partitions=1).aggregate(CountDistinct("conversation_id", alias_name="conversations")).take_all():
-            split_counts[r["split"]]["conversations"] = int(r["conversations"])
-        for s, c in split_counts.items():
-            if c["examples"]:
-                _write(kept.filter(expr=col("split") == s), storage.join(d.output, s), SPLIT_COLUMNS)
-        if filtered:
-            dropped = encoded.filter(expr=col("status") != "ok").rename_columns({"example_json": "raw"})
-            _write(dropped, storage.join(d.output, FILTERED_DIR), FILTERED_COLUMNS)
-        packing = _pack_train(encoded, cfg, tokenizer_info["pad_token_id"], split_counts, progress)
+        packing = _packing_section(counted, cfg, split_counts, progress)
 
+    if tokenizer_info is None:  # no example reached the tokenisers: load it here, for the manifest
+        from clarifier.data.stages import tokenizer_info as describe
+        from clarifier.engine.models import load_tokenizer
+
+        tokenizer_info = describe(load_tokenizer(resolved), cfg.model.base_model, resolved, cfg.model.max_prompt_tokens)
     for reason, n in labelling_by_reason.items():
         filtered[reason] = filtered.get(reason, 0) + n
     kept_total = sum(c["examples"] for c in split_counts.values())

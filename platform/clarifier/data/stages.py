@@ -1,7 +1,8 @@
 """The data job's per-block stages, run in Ray workers (:mod:`clarifier.data.pipeline` assembles them):
 ``parse_files`` (read, gunzip, split into lines, validate, label, split by conversation),
-``mark_duplicates`` (rows after the first of a duplicated input), and the ``Encoder`` actor
-(tokenise with the joint objective, filter ``too_long``). The Arrow schemas of their outputs are here.
+``mark_duplicates`` (rows after the first of a duplicated input), the ``Encoder`` (tokenise with the
+joint objective, filter ``too_long``) and ``EncodeAndWrite``, the actor that tokenises, marks and writes
+a batch and returns its counts. The Arrow schemas of their outputs are here.
 """
 
 from __future__ import annotations
@@ -238,6 +239,118 @@ class Encoder:
         if self.progress:
             relay.count(self.progress[0], "[data] tokenise", len(rows), self.progress[1], "examples")
         return pa.Table.from_pylist(rows, schema=ENCODED_SCHEMA)
+
+
+# One row per (split, status, grounding source, data source) of a batch ("group"; ``conversations``: the
+# 8-byte hashes of the distinct conversations of its kept rows), plus one "padding" row (the batch's kept
+# train rows padded in micro-batches) and, with packing, one "packed" row (blocks written).
+COUNTS_SCHEMA = pa.schema([
+    ("kind", pa.string()), ("split", pa.string()), ("status", pa.string()), ("grounding_source", pa.string()),
+    ("data_source", pa.string()), ("n", pa.int64()), ("clarify", pa.int64()),
+    *[(name, pa.int64()) for name, _ in GROUNDING_COLUMNS if name.startswith("agree_")],
+    ("conversations", pa.list_(pa.uint64())),
+    ("tokens", pa.int64()), ("slots", pa.int64()), ("blocks", pa.int64()),
+    ("payload", pa.string()),  # "tokenizer" row (each actor's first batch): what the manifest records of it
+])
+
+
+def tokenizer_info(tok, base_model: str, resolved: str, max_prompt_tokens: int) -> dict:
+    """What the data job's manifest records of the tokenizer it used."""
+    return {
+        "base_model": base_model,
+        "resolved_path": resolved,
+        "name_or_path": getattr(tok, "name_or_path", resolved),
+        "vocab_size": len(tok),
+        "max_prompt_tokens": max_prompt_tokens,
+        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+    }
+
+
+def conversation_hash(conversation_id: str) -> int:
+    """8 bytes of BLAKE2b of a conversation id: what the driver gathers to count distinct conversations."""
+    return int.from_bytes(hashlib.blake2b(conversation_id.encode(), digest_size=8).digest(), "little")
+
+
+class EncodeAndWrite:
+    """The data job's last stage, one actor per CPU: tokenise a batch (:class:`Encoder`), mark its
+    duplicates (:func:`mark_duplicates`), write its rows where they belong (``<split>/`` when kept,
+    ``filtered/`` with the reason otherwise, ``train_packed/`` blocks with packing) and return only
+    the batch's counts (``COUNTS_SCHEMA``). Nothing tokenised goes through the object store and no
+    later pass re-reads it. File names derive from the batch's first and last rows, so a retried
+    batch overwrites its own files instead of adding copies. Input rows that are not examples
+    (a parsed file's count and quarantine rows) are skipped."""
+
+    def __init__(self, *, encoder: dict, first: dict[str, str], filesystem, output: str, split_columns: list[str],
+                 filtered_columns: list[str], micro_batch_size: int, packing: dict | None = None):
+        self.encoder = Encoder(**encoder)
+        self.first, self.fs, self.output = first, filesystem, output
+        self.split_columns, self.filtered_columns = split_columns, filtered_columns
+        self.micro_batch_size, self.packing = micro_batch_size, packing
+        self.made: set[str] = set()
+        self.info = tokenizer_info(self.encoder.tokenizer, encoder["base_model"], encoder["resolved"],
+                                   encoder["max_prompt_tokens"])
+        self.reported = False
+
+    def _write(self, table: pa.Table, folder: str, name: str) -> None:
+        import pyarrow.parquet as pq
+
+        path = f"{self.output}/{folder}"
+        if path not in self.made:
+            self.fs.create_dir(path, recursive=True)
+            self.made.add(path)
+        pq.write_table(table, f"{path}/{name}.parquet", filesystem=self.fs)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        import pyarrow.compute as pc
+
+        from clarifier.data.packing import pack_table, padding_slots
+
+        if "kind" in batch.column_names:
+            batch = batch.filter(pc.equal(batch["kind"], "example"))
+        if not batch.num_rows:
+            return COUNTS_SCHEMA.empty_table()
+        t = mark_duplicates(self.encoder(batch), first=self.first)
+        orders = t.column("order_key")
+        name = "part-" + hashlib.sha1(f"{orders[0]}\x01{orders[-1]}\x01{t.num_rows}".encode()).hexdigest()[:20]
+        ok = pc.equal(t["status"], "ok")
+        counts: list[dict] = []
+        for split in pc.unique(t["split"]).to_pylist():
+            kept = t.filter(pc.and_(ok, pc.equal(t["split"], split)))
+            if kept.num_rows:
+                self._write(kept.select(self.split_columns), split, name)
+            if split == "train" and kept.num_rows:
+                lengths = kept.column("num_tokens").to_pylist()
+                counts.append({"kind": "padding", "tokens": sum(lengths),
+                               "slots": padding_slots(lengths, self.micro_batch_size)})
+                if self.packing:
+                    blocks = pack_table(kept, block_length=self.packing["block_length"], pad_id=self.info["pad_token_id"])
+                    self._write(blocks, self.packing["folder"], name)
+                    counts.append({"kind": "packed", "blocks": blocks.num_rows,
+                                   "tokens": pc.sum(blocks["num_tokens"]).as_py() or 0,
+                                   "n": pc.sum(blocks["num_examples"]).as_py() or 0})
+        dropped = t.filter(pc.invert(ok))
+        if dropped.num_rows:
+            self._write(dropped.rename_columns(["raw" if c == "example_json" else c for c in dropped.column_names])
+                        .select(self.filtered_columns), "filtered", name)
+        keys = ["split", "status", "grounding_source", "data_source"]
+        agree = [c for c in COUNTS_SCHEMA.names if c.startswith("agree_")]
+        rows = t.select([*keys, "clarify", "conversation_id", *agree]).to_pylist()
+        groups: dict[tuple, dict] = {}
+        for r in rows:
+            g = groups.setdefault(tuple(r[k] for k in keys), {"kind": "group", **{k: r[k] for k in keys}, "n": 0,
+                                                              "clarify": 0, **{a: 0 for a in agree}, "conversations": set()})
+            g["n"] += 1
+            g["clarify"] += int(r["clarify"] or 0)
+            for a in agree:
+                g[a] += int(r[a] or 0)
+            if r["status"] == "ok":
+                g["conversations"].add(conversation_hash(r["conversation_id"]))
+        for g in groups.values():
+            g["conversations"] = sorted(g["conversations"])
+        if not self.reported:
+            counts.append({"kind": "tokenizer", "payload": json.dumps(self.info)})
+            self.reported = True
+        return pa.Table.from_pylist([*groups.values(), *counts], schema=COUNTS_SCHEMA)
 
 
 # ---- request logs (data.request_log): records -> conversations -> labelled examples ----------------

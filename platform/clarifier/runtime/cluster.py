@@ -70,6 +70,16 @@ def _restore_sigterm() -> None:
         signal.signal(signal.SIGTERM, _SIGTERM_HANDLER)
 
 
+def usable_cpus(ray) -> int:
+    """CPUs that CPU-bound actors (the data job's tokenisers) can use without oversubscribing cores:
+    the cluster's CPUs, except on a local instance of our own (no ``RAY_ADDRESS``), whose logical CPUs
+    are the cores plus two (:func:`local_cpus`): there, the machine's cores."""
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    if not os.environ.get("RAY_ADDRESS"):
+        cpus = min(cpus, os.cpu_count() or cpus)
+    return max(1, cpus)
+
+
 def init_ray(num_cpus: int | None = None, quiet: bool = True):
     """Join the cluster in ``RAY_ADDRESS`` (e.g. inside ``ray job submit``) or start a local one."""
     import ray
