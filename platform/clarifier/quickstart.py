@@ -53,7 +53,11 @@ def run_quickstart(workdir: str | Path = ".clarifier/quickstart", config: str | 
 
         ray = init_ray()
         dash = getattr(getattr(ray._private.worker.global_worker, "node", None), "webui_url", None)
-        progress(f"Ray: {ray.cluster_resources().get('CPU', 0):.0f} CPUs" + (f"  (dashboard: http://{dash})" if dash else ""))
+        cpus, cores = ray.cluster_resources().get("CPU", 0), os.cpu_count() or 0
+        # A local instance declares two logical CPUs more than the cores (runtime.cluster.local_cpus).
+        local = not os.environ.get("RAY_ADDRESS")
+        progress(f"Ray: {cpus:.0f} logical CPUs" + (f" on {cores} cores" if local and cores and cores != cpus else "")
+                 + (f"  (dashboard: http://{dash})" if dash else ""))
         return _pipeline(cfg, store, workdir, stage, progress, t_all)
     finally:
         _shutdown(progress)
