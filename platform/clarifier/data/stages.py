@@ -16,7 +16,7 @@ import pyarrow as pa
 from clarifier.core.config import LabellingConfig
 from clarifier.core.request_record import META_KEY
 from clarifier.core.schema import Example
-from clarifier.data.grounding import GROUNDING_COLUMNS
+from clarifier.data.grounding import AGREE_COLUMNS, GROUNDING_COLUMNS
 from clarifier.core.schema import source_of
 from clarifier.data.split import assign_split
 from clarifier.data.validate import UnreadableFile, check_object, parse_line_full, quarantine_record, read_lines
@@ -247,7 +247,7 @@ class Encoder:
 COUNTS_SCHEMA = pa.schema([
     ("kind", pa.string()), ("split", pa.string()), ("status", pa.string()), ("grounding_source", pa.string()),
     ("data_source", pa.string()), ("n", pa.int64()), ("clarify", pa.int64()),
-    *[(name, pa.int64()) for name, _ in GROUNDING_COLUMNS if name.startswith("agree_")],
+    *[(name, pa.int64()) for name in AGREE_COLUMNS],
     ("conversations", pa.list_(pa.uint64())),
     ("tokens", pa.int64()), ("slots", pa.int64()), ("blocks", pa.int64()),
     ("payload", pa.string()),  # "tokenizer" row (each actor's first batch): what the manifest records of it
@@ -333,7 +333,7 @@ class EncodeAndWrite:
             self._write(dropped.rename_columns(["raw" if c == "example_json" else c for c in dropped.column_names])
                         .select(self.filtered_columns), "filtered", name)
         keys = ["split", "status", "grounding_source", "data_source"]
-        agree = [c for c in COUNTS_SCHEMA.names if c.startswith("agree_")]
+        agree = AGREE_COLUMNS
         rows = t.select([*keys, "clarify", "conversation_id", *agree]).to_pylist()
         groups: dict[tuple, dict] = {}
         for r in rows:
