@@ -369,7 +369,8 @@ def _prepare_with(ray, cfg: ClarifierConfig, progress: Callable[[str], None], re
             # (on a small cluster both pools and the tasks feeding them would not fit at once).
             source = _silver_grounding(ray, examples, d.silver_grounding, progress).materialize()
         actors = d.encode_actors or usable_cpus(ray)
-        progress(f"[data] {len(first)} inputs seen more than once; tokenising and writing with {actors} actor(s)")
+        seen = f"{len(first)} input(s) seen more than once" if first else "no duplicate inputs"
+        progress(f"[data] {seen}; tokenising and writing with {actors} actor(s)")
         out_fs, out_path = storage.filesystem(d.output)
         counted = source.map_batches(
             EncodeAndWrite,
