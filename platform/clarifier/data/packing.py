@@ -106,7 +106,7 @@ def padding_slots(lengths: Sequence[int], micro_batch_size: int) -> int:
 
 
 def padding_stats(batch: pa.Table, *, micro_batch_size: int) -> pa.Table:
-    """``map_batches`` stage: one row (tokens, slots) for padded micro-batches of this batch."""
+    """One row (tokens, slots) for this batch padded in consecutive micro-batches (the data job's counts)."""
     lengths = batch.column("num_tokens").to_pylist()
     return pa.table({"tokens": [sum(lengths)], "slots": [padding_slots(lengths, micro_batch_size)]})
 

@@ -303,7 +303,7 @@ class EncodeAndWrite:
     def __call__(self, batch: pa.Table) -> pa.Table:
         import pyarrow.compute as pc
 
-        from clarifier.data.packing import pack_table, padding_slots
+        from clarifier.data.packing import pack_table, padding_stats
 
         if "kind" in batch.column_names:
             batch = batch.filter(pc.equal(batch["kind"], "example"))
@@ -319,9 +319,7 @@ class EncodeAndWrite:
             if kept.num_rows:
                 self._write(kept.select(self.split_columns), split, name)
             if split == "train" and kept.num_rows:
-                lengths = kept.column("num_tokens").to_pylist()
-                counts.append({"kind": "padding", "tokens": sum(lengths),
-                               "slots": padding_slots(lengths, self.micro_batch_size)})
+                counts.append({"kind": "padding", **padding_stats(kept, micro_batch_size=self.micro_batch_size).to_pylist()[0]})
                 if self.packing:
                     blocks = pack_table(kept, block_length=self.packing["block_length"], pad_id=self.info["pad_token_id"])
                     self._write(blocks, self.packing["folder"], name)
