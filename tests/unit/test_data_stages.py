@@ -11,7 +11,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from clarifier.data.outputs import FILTERED_COLUMNS, SPLIT_COLUMNS
-from clarifier.data.stages import EncodeAndWrite, conversation_hash, parse_files
+from clarifier.data.stages import EncodeAndWrite, conversation_hash, duplicate_keys, parse_files
 
 
 def _log(cid: str, query: str) -> dict:
@@ -42,6 +42,8 @@ def _stage(tiny_model_dir, out, parsed) -> EncodeAndWrite:
         if keys.count(k) > 1:
             first[k] = min(first.get(k, o), o)
     assert len(first) == 2  # c0's two turns
+    found = duplicate_keys(ex.select(["dedup_key", "order_key"]))
+    assert dict(zip(found.column("dedup_key").to_pylist(), found.column("first").to_pylist())) == first
     return EncodeAndWrite(
         encoder={"base_model": str(tiny_model_dir), "resolved": str(tiny_model_dir), "cache_dir": None, "weights": {},
                  "max_prompt_tokens": 256, "max_length": 512},

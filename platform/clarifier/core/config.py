@@ -166,9 +166,9 @@ class DataConfig(_Strict):
                                 "prompt renderer truncates them by tokens.")
     synthetic_conversations: int = 400
     shuffle_strategy: Literal["sort", "hash"] = Field(
-        "sort", description="Ray Data shuffle behind the data job's aggregates (counts, duplicate keys): sort = the "
-                            "task-based pull shuffle (an aggregate ~1.6 s on a 2-core box), hash = Ray's actor-based "
-                            "hash shuffle (~5.7 s there; scales to more partitions on a large cluster).")
+        "sort", description="Ray Data shuffle behind the duplicate-key aggregate beyond 200,000 examples (below, "
+                            "one task groups the keys): sort = the task-based pull shuffle, hash = Ray's actor-based "
+                            "hash shuffle (~2x slower on a 2-core box; scales to more partitions on a large cluster).")
     encode_actors: int | None = Field(
         None, ge=1, description="Actors that tokenise and write the examples (one CPU each); default: the cluster's "
                                 "CPUs (a local instance: the machine's cores).")

@@ -181,6 +181,16 @@ def parse_files(batch: pa.Table, *, filesystem, scheme: str, seed: int, fraction
     return pa.Table.from_pylist(rows, schema=PARSED_SCHEMA)
 
 
+def duplicate_keys(keys: pa.Table) -> pa.Table:
+    """``dedup_key``/``order_key`` rows -> one row per key seen more than once, with its first
+    (smallest) ``order_key`` as ``first``: the duplicate search over one partition of the keys."""
+    import pyarrow.compute as pc
+
+    g = keys.group_by("dedup_key").aggregate([("order_key", "min"), ("order_key", "count")])
+    g = g.filter(pc.greater(g["order_key_count"], 1))
+    return pa.table({"dedup_key": g["dedup_key"], "first": g["order_key_min"]})
+
+
 def mark_duplicates(batch: pa.Table, *, first: dict[str, str]) -> pa.Table:
     """Rows whose ``dedup_key`` has duplicates (``first``: key -> the kept row's ``order_key``, the
     smallest) become ``status="duplicate"`` unless they are that first row."""
