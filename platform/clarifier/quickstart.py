@@ -49,14 +49,13 @@ def run_quickstart(workdir: str | Path = ".clarifier/quickstart", config: str | 
     cfg.tracking.tracking_uri = server.url
     progress(f"MLflow: {server.url}  (UI: open it in a browser; log {server.log_path})")
     try:
-        from clarifier.runtime.cluster import init_ray
+        from clarifier.runtime.cluster import init_ray, local_instance
 
         ray = init_ray()
         dash = getattr(getattr(ray._private.worker.global_worker, "node", None), "webui_url", None)
         cpus, cores = ray.cluster_resources().get("CPU", 0), os.cpu_count() or 0
         # A local instance declares two logical CPUs more than the cores (runtime.cluster.local_cpus).
-        local = not os.environ.get("RAY_ADDRESS")
-        progress(f"Ray: {cpus:.0f} logical CPUs" + (f" on {cores} cores" if local and cores and cores != cpus else "")
+        progress(f"Ray: {cpus:.0f} logical CPUs" + (f" on {cores} cores" if local_instance() and cores and cores != cpus else "")
                  + (f"  (dashboard: http://{dash})" if dash else ""))
         return _pipeline(cfg, store, workdir, stage, progress, t_all)
     finally:

@@ -341,15 +341,14 @@ class EncodeAndWrite:
             self._write(dropped.rename_columns(["raw" if c == "example_json" else c for c in dropped.column_names])
                         .select(self.filtered_columns), "filtered", name)
         keys = ["split", "status", "grounding_source", "data_source"]
-        agree = AGREE_COLUMNS
-        rows = t.select([*keys, "clarify", "conversation_id", *agree]).to_pylist()
+        rows = t.select([*keys, "clarify", "conversation_id", *AGREE_COLUMNS]).to_pylist()
         groups: dict[tuple, dict] = {}
         for r in rows:
             g = groups.setdefault(tuple(r[k] for k in keys), {"kind": "group", **{k: r[k] for k in keys}, "n": 0,
-                                                              "clarify": 0, **{a: 0 for a in agree}, "conversations": set()})
+                                                              "clarify": 0, **{a: 0 for a in AGREE_COLUMNS}, "conversations": set()})
             g["n"] += 1
             g["clarify"] += int(r["clarify"] or 0)
-            for a in agree:
+            for a in AGREE_COLUMNS:
                 g[a] += int(r[a] or 0)
             if r["status"] == "ok":
                 g["conversations"].add(conversation_hash(r["conversation_id"]))

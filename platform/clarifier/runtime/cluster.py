@@ -70,12 +70,17 @@ def _restore_sigterm() -> None:
         signal.signal(signal.SIGTERM, _SIGTERM_HANDLER)
 
 
+def local_instance() -> bool:
+    """Whether :func:`init_ray` starts a Ray instance of its own here (no ``RAY_ADDRESS`` to join)."""
+    return not os.environ.get("RAY_ADDRESS")
+
+
 def usable_cpus(ray) -> int:
     """CPUs that CPU-bound actors (the data job's tokenisers) can use without oversubscribing cores:
     the cluster's CPUs, except on a local instance of our own (no ``RAY_ADDRESS``), whose logical CPUs
     are the cores plus two (:func:`local_cpus`): there, the machine's cores."""
     cpus = int(ray.cluster_resources().get("CPU", 1))
-    if not os.environ.get("RAY_ADDRESS"):
+    if local_instance():
         cpus = min(cpus, os.cpu_count() or cpus)
     return max(1, cpus)
 
@@ -93,7 +98,7 @@ def init_ray(num_cpus: int | None = None, quiet: bool = True):
     # merged with ours, and Ray refuses the same env var in both: keep only what the job lacks.
     env = {k: v for k, v in env.items() if k not in _job_env_vars()}
     kw = {"runtime_env": {"env_vars": env}, "log_to_driver": True}
-    if os.environ.get("RAY_ADDRESS"):
+    if not local_instance():
         ray.init(address=os.environ["RAY_ADDRESS"], **kw)
     else:
         # address="local": always a fresh instance of our own, never a cluster that some other
