@@ -32,7 +32,7 @@ def balanced_weights(sources: list[str], gold: list[bool]) -> list[float]:
     return [w * scale for w in raw]
 
 
-def _features(engine, examples, layers, batch_size: int, label: str, progress: Callable[[str], None]):
+def hidden_features(engine, examples, layers, batch_size: int, label: str, progress: Callable[[str], None]):
     """``(decision-token P(clarify), features)`` of ``examples``, in their order; batched by length (the
     rendered conversation's characters), so a batch pads little."""
     import numpy as np
@@ -77,8 +77,8 @@ def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHead
     layers = resolve_layers(cfg.layers, engine.model.config.num_hidden_layers)
     progress(f"[head] fitting a decision head on layers {layers}: {len(train)} train examples "
              f"({sum(e.needs_clarification for e in train)} need a question), {len(dev_examples)} to choose it")
-    _, x_train = _features(engine, train, layers, cfg.batch_size, "train", progress)
-    dev_token, x_dev = _features(engine, dev_examples, layers, cfg.batch_size, "dev", progress)
+    _, x_train = hidden_features(engine, train, layers, cfg.batch_size, "train", progress)
+    dev_token, x_dev = hidden_features(engine, dev_examples, layers, cfg.batch_size, "dev", progress)
 
     y = np.array([e.needs_clarification for e in train])
     weights = balanced_weights([source_of(e) for e in train], list(y))
