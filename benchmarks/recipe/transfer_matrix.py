@@ -51,8 +51,7 @@ def main() -> None:
     engine = ClarifierEngine.from_base(args.base_model)
     layers = resolve_layers(DecisionHeadConfig().layers, engine.model.config.num_hidden_layers)
     print(f"[transfer] {len(examples)} train turns, {args.base_model} ({engine.precision}), layers {layers}", flush=True)
-    _, x = hidden_features(engine, examples, layers, 8, "features",
-                           lambda m: print(m, flush=True) if m.split(": ")[1].split("/")[0] in ("320", "640", "960") else None)
+    _, x = hidden_features(engine, examples, layers, 8, "features", lambda m: print(m, flush=True))
     src = np.array([source_of(e) for e in examples])
     y = np.array([e.needs_clarification for e in examples])
     names = [n for n in sorted(set(src)) if len(set(y[src == n])) == 2]
