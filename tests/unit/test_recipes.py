@@ -196,6 +196,24 @@ def test_plan_and_recipe_errors(tmp_path):
         without_source(cfg, "clariq", tmp_path)
 
 
+def test_leave_out_runs_one_part_of_a_plan_under_its_own_name(tmp_path):
+    from clarifier.recipes.benchmark import resolve_plan
+
+    plan, name = resolve_plan("joint-public-loo")
+    assert name == "recipe-joint-public-loo" and len(plan.leave_one_out.sources) == 4
+    plan, name = resolve_plan("joint-public-loo", ["train.max_minutes=1"], ["pacific", "claqua"])
+    assert name == "recipe-joint-public-loo-pacific-claqua" and plan.leave_one_out.sources == ["pacific", "claqua"]
+    assert plan.overrides[-1] == "train.max_minutes=1" and plan.leave_one_out.overrides == ["train.max_minutes=20"]
+    with pytest.raises(ConfigError, match=r"\['clariqq'\] are not among recipe 'joint-public'"):
+        resolve_plan("joint-public-loo", leave_out=["clariqq"])
+    (tmp_path / "p.yaml").write_text("recipe: joint-public\nleave_one_out: {sources: [nope]}\n")
+    with pytest.raises(ConfigError, match="nope"):  # a plan's own typo, refused before any work
+        resolve_plan(str(tmp_path / "p.yaml"))
+    result = CliRunner().invoke(__import__("clarifier.cli", fromlist=["app"]).app,
+                                ["recipe", "benchmark", "joint-public-loo", "--leave-out", "clariqq"])
+    assert result.exit_code == 2 and "clariqq" in result.output
+
+
 def test_sample_by_source_caps_each_source():
     from clarifier.core.schema import sample_by_source
 

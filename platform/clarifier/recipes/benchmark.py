@@ -126,6 +126,23 @@ def load_plan(name_or_path: str) -> BenchmarkPlan:
 # ---- pure parts ------------------------------------------------------------------------------
 
 
+def resolve_plan(plan_name: str, overrides=(), leave_out=()) -> tuple[BenchmarkPlan, str]:
+    """``(plan, benchmark name)`` as run: the plan with the extra recipe ``overrides``; ``leave_out`` replaces
+    its ``leave_one_out.sources`` and is appended to the name (``recipe-joint-public-loo-clariq``). Unknown
+    leave-one-out sources are refused here, naming them, not after the hours of work that come before them."""
+    plan = load_plan(plan_name)
+    name = f"recipe-{plan_path(plan_name).stem}"
+    plan = plan.model_copy(update={"overrides": [*plan.overrides, *overrides]})
+    if leave_out:
+        plan = plan.model_copy(update={"leave_one_out": plan.leave_one_out.model_copy(update={"sources": list(leave_out)})})
+        name = "-".join([name, *leave_out])
+    names = [s.source_name for s in load_config(recipe_path(plan.recipe), plan.overrides).data.sources]
+    unknown = [s for s in plan.leave_one_out.sources if s not in names]
+    if unknown:
+        raise ConfigError(f"leave-one-out source(s) {unknown} are not among recipe {plan.recipe!r}'s sources {names}")
+    return plan, name
+
+
 def without_source(cfg: ClarifierConfig, source: str, workdir: Path) -> ClarifierConfig:
     names = [s.source_name for s in cfg.data.sources]
     if source not in names:
@@ -310,13 +327,15 @@ def _metrics(examples, preds, sim_fn, source_of, grounding_source) -> dict:
 
 
 def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | Path | None = None,
-                  overrides: list[str] | tuple[str, ...] = (), progress: Progress = print) -> dict:
-    """Run the plan; writes ``<out>.json`` and ``<out>.md`` (default ``benchmarks/results/recipe-<plan name>``)."""
+                  overrides: list[str] | tuple[str, ...] = (), leave_out: list[str] | tuple[str, ...] = (),
+                  progress: Progress = print) -> dict:
+    """Run the plan; writes ``<out>.json`` and ``<out>.md`` (default ``benchmarks/results/recipe-<plan name>``).
+
+    ``leave_out`` replaces the plan's ``leave_one_out.sources`` (the default output name then ends with
+    them, e.g. ``recipe-joint-public-loo-clariq``), so one plan's sources can be run a part at a time."""
     from clarifier.runtime.services import mlflow_env, start_mlflow_server
 
-    plan = load_plan(plan_name)
-    name = f"recipe-{plan_path(plan_name).stem}"
-    plan = plan.model_copy(update={"overrides": [*plan.overrides, *overrides]})
+    plan, name = resolve_plan(plan_name, overrides, leave_out)
     workdir = Path(workdir or f".clarifier/recipe-benchmark/{plan.recipe}").expanduser().resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     out = Path(out) if out else Path("benchmarks") / "results" / name  # relative to the working directory
