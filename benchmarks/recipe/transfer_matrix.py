@@ -9,6 +9,11 @@ AUROC: the other source's turns were never seen); the diagonal is 5-fold cross-v
 source. Each source contributes a seeded, class-balanced sample of its train split (``--per-source``),
 so no test turn is read. Rows near 0.5 off the diagonal say that what one dataset calls "needs a
 question" does not predict the other's labels; rows below 0.5 say it predicts the opposite.
+
+It also scores each source's turns by a few surface cues alone (``cues``: within-source AUROC with the
+cue as the score, no model), which say what each dataset's labels follow: a short query, a pronoun or
+deictic in it (the lexical rule's words), a first turn, and whether the assistant's previous turn was
+*not* a question (after a clarifying question the user's reply is usually clear).
 """
 
 from __future__ import annotations
@@ -74,15 +79,49 @@ def main() -> None:
                 row[b] = round(float(roc_auc_score(y[src == b], fitted.predict_proba(x[src == b])[:, 1])), 4)
         matrix[a] = row
     counts = {n: {"n": int((src == n).sum()), "clarify": int(y[src == n].sum())} for n in names}
+    cues = surface_cues(examples, src, y, names)
     print("| trained on \\ scored on | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
     for a in names:
         print(f"| {a} | " + " | ".join(f"{matrix[a][b]:.2f}" for b in names) + " |")
+    print("| cue (scored as 'needs a question') | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for cue, row in cues.items():
+        print(f"| {cue} | " + " | ".join("n/a" if row[n] is None else f"{row[n]:.2f}" for n in names) + " |")
     path = write_result("recipe-transfer-matrix", {
         "data": args.data, "base_model": args.base_model, "precision": engine.precision, "layers": layers,
         "per_source": args.per_source, "c": args.c, "seed": args.seed, "sources": counts,
-        "matrix_auroc": matrix, "seconds": round(time.time() - t0, 1)}, args.out)
+        "matrix_auroc": matrix, "cues_auroc": cues, "seconds": round(time.time() - t0, 1)}, args.out)
     print(f"[transfer] wrote {path}")
+
+
+def surface_cues(examples, src, y, names) -> dict[str, dict[str, float | None]]:
+    """Within-source AUROC of each cue taken as the score (None where a source has one class or one value)."""
+    import numpy as np
+    from sklearn.metrics import roc_auc_score
+
+    from clarifier.evaluation.baselines import PRONOUNS
+
+    def prev_not_question(e):
+        prev = next((t.text for t in reversed(e.history) if t.role == "assistant"), "")
+        return 0.0 if prev.rstrip().endswith("?") else 1.0
+
+    cues = {
+        "shorter query (fewer words)": lambda e: -len(e.query.split()),
+        "pronoun or deictic in the query": lambda e: float(bool(
+            {w.strip("?.,!;:'\"").lower() for w in e.query.split()} & PRONOUNS)),
+        "fewer earlier turns": lambda e: -len(e.history),
+        "previous assistant turn not a question": prev_not_question,
+    }
+    out: dict[str, dict[str, float | None]] = {}
+    for cue, fn in cues.items():
+        score = np.array([fn(e) for e in examples], dtype=float)
+        out[cue] = {}
+        for n in names:
+            m = src == n
+            ok = len(set(y[m])) == 2 and len(set(score[m])) > 1
+            out[cue][n] = round(float(roc_auc_score(y[m], score[m])), 4) if ok else None
+    return out
 
 
 if __name__ == "__main__":
