@@ -163,7 +163,7 @@ def test_pipeline_variant_trains_three_adapters_that_compose(prepared, mlflow_se
     assert "calibration/threshold" in run.data.metrics
     # The decision head was fitted on the "when" adapter's states, and the threshold calibrated on its scores.
     assert (folder / "decision_head.safetensors").is_file() and run.data.metrics["decision_head/n_train"] == 24
-    assert run.data.tags["decision_head.layers"] == "1,2"
+    assert run.data.tags["decision_head.layers"] == "1,2" and run.data.tags["decision_head.pooling"] == "last"
     assert any(m.startswith("[head] kept C=") for m in lines)
     assert any(m.startswith("[calibrate] threshold") and m.endswith("by the decision head") for m in lines)
     children = client.search_runs([run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{res.run_id}'")

@@ -34,8 +34,26 @@ def test_standardisation_folds_into_one_affine_map(tmp_path):
     back = DecisionHead.load(tmp_path)
     assert back.layers == [1, 2] and torch.allclose(back.probability(x), expected, atol=1e-5)
     assert DecisionHead.load(tmp_path / "nowhere") is None
-    with pytest.raises(ValueError, match=r"reads layers \[1, 2\] \(6 features\) but the model has 2 layers of 64"):
+    with pytest.raises(ValueError, match=r"reads layers \[1, 2\] pooled last \(6 features\) but the model has 2 layers of 64"):
         back.check(2, 64)
+    back.check(2, 3)
+
+    # Pooling travels in the file; a head saved before it (no "pooling" metadata) reads the last position.
+    both = DecisionHead.from_standardised([1, 2], coef, 0.3, mean, scale, pooling=["mean", "last"])
+    assert both.pooling == ["last", "mean"]  # feature order: every layer's last, then every layer's mean
+    both.save(tmp_path)
+    assert DecisionHead.load(tmp_path).pooling == ["last", "mean"]
+    with pytest.raises(ValueError, match=r"pooled last\+mean \(6 features\)"):
+        DecisionHead.load(tmp_path).check(2, 3)  # 2 poolings x 2 layers x 3 = 12 features expected
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.zeros(6), "bias": torch.zeros(1)}, str(tmp_path / "decision_head.safetensors"),
+              metadata={"layers": "[1, 2]"})
+    assert DecisionHead.load(tmp_path).pooling == ["last"]
+    save_file({"weight": torch.zeros(6), "bias": torch.zeros(1)}, str(tmp_path / "decision_head.safetensors"),
+              metadata={"layers": "[1, 2]", "pooling": '["max"]'})
+    with pytest.raises(ValueError, match=r"decision_head.safetensors: decision head pooling is one or both of"):
+        DecisionHead.load(tmp_path)
 
 
 def test_balanced_weights_give_every_source_and_class_the_same_total():
@@ -81,10 +99,11 @@ def test_fitted_head_is_saved_and_decides_for_the_engine(tiny_model_dir, tmp_pat
     train, dev = _examples(32, "t"), _examples(16, "d")
     lines = []
     summary = fit_decision_head(folder, train, dev, DecisionHeadConfig(layers=[0.5, 1.0], max_per_source=12,
-                                                                       c_grid=[0.01, 1.0]),
+                                                                       c_grid=[0.01, 1.0], pooling=["last", "mean"]),
                                 precision="fp32", progress=lines.append)
     assert (folder / HEAD_FILE).is_file()
     assert summary["layers"] == [1, 2] and summary["n_train"] == 24 and summary["n_dev"] == 16
+    assert summary["pooling"] == ["last", "mean"]
     assert summary["c"] in (0.01, 1.0) and summary["dev_macro_auroc"] == 1.0  # the words decide: separable
     meta = read_meta(folder)
     assert meta.decision_head["c"] == summary["c"] and "dev_scores" not in meta.decision_head
@@ -93,7 +112,7 @@ def test_fitted_head_is_saved_and_decides_for_the_engine(tiny_model_dir, tmp_pat
     engine = load_engine(folder, precision="fp32")
     items = [(e.history, e.query, e.passages) for e in dev]
     scores = engine.score(items)
-    assert engine.decision_head is not None
+    assert engine.decision_head is not None and engine.decision_head.pooling == ["last", "mean"]
     assert scores == pytest.approx(summary["dev_scores"], abs=1e-4)  # the calibration reuses these scores
     token = load_engine(folder, precision="fp32", decision_head=False)
     assert token.decision_head is None and token.score(items) != pytest.approx(scores, abs=1e-3)
@@ -126,6 +145,10 @@ def test_config_rejects_bad_layers_and_strengths():
     assert build_config({}, ["train.decision_head.enabled=true"]).train.decision_head.layers == [0.25, 0.5, 0.75, 1.0]
     with pytest.raises(ConfigError, match="depth fractions"):
         build_config({}, ["train.decision_head.layers=[0.5,2]"])
+    with pytest.raises(ConfigError, match="pooling"):
+        build_config({}, ["train.decision_head.pooling=[last,last]"])
+    with pytest.raises(ConfigError, match="pooling"):
+        build_config({}, ["train.decision_head.pooling=[max]"])
     with pytest.raises(ConfigError, match="every C must be > 0"):
         build_config({}, ["train.decision_head.c_grid=[0.1,0]"])
 
@@ -146,3 +169,11 @@ def test_hooked_states_equal_the_models_hidden_states(tiny_model_dir):
         out = engine.model(**enc, position_ids=positions_from_mask(enc["attention_mask"]), output_hidden_states=True)
     expected = torch.cat([out.hidden_states[1][:, -1], out.hidden_states[2][:, -1]], dim=-1)
     assert feats.shape == (3, 128) and torch.allclose(feats, expected, atol=1e-5)
+
+    # Mean pooling: every prompt token's states averaged, the left padding of shorter prompts masked out
+    # (the three prompts differ in length); the last layer's come from the final norm, as numbered above.
+    m = enc["attention_mask"].unsqueeze(-1).float()
+    assert len(set(enc["attention_mask"].sum(1).tolist())) > 1
+    _, both = engine.decision_features(items, [1, 2], ["last", "mean"])
+    means = [(out.hidden_states[i] * m).sum(1) / m.sum(1) for i in (1, 2)]
+    assert both.shape == (3, 256) and torch.allclose(both, torch.cat([expected, *means], dim=-1), atol=1e-5)

@@ -3,25 +3,29 @@
 By default the engine reads the decision from two logits of the language-model head ("clarify" vs
 "answer" after ``decision:``): one direction of the last layer. A *decision head* is a logistic
 regression on the hidden states of several layers at that same position (the last prompt token of
-``prompt + "decision:"``), fitted after training on the model as it is served
+``prompt + "decision:"``; pooling ``last``) and, with pooling ``mean``, on the same layers' states
+averaged over every prompt token, fitted after training on the model as it is served
 (:mod:`clarifier.train.decision_head`). It costs nothing at inference (the prefill computes those
 states anyway; the KV cache for the question is the same) and, fitted on cached features, it can see
 every training example many times where LoRA training sees each at most once on a CPU budget.
 
 A model folder with a head holds ``decision_head.safetensors``: ``weight`` (float32, the layers'
-states concatenated, standardisation folded in) and ``bias``, with the hidden-state indexes in the
-file's metadata (``layers``: 0 = the embeddings, ``num_hidden_layers`` = the last layer after the final
-norm, as ``output_hidden_states`` numbers them). ``clarifier.json`` records how it was fitted.
+states concatenated -- every layer's ``last`` states, then every layer's ``mean`` states --,
+standardisation folded in) and ``bias``, with the hidden-state indexes in the file's metadata
+(``layers``: 0 = the embeddings, ``num_hidden_layers`` = the last layer after the final norm, as
+``output_hidden_states`` numbers them) and ``pooling`` (absent in heads saved before it: ``["last"]``).
+``clarifier.json`` records how it was fitted.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 HEAD_FILE = "decision_head.safetensors"
+POOLINGS = ("last", "mean")
 
 
 def resolve_layers(fractions: Sequence[float], num_layers: int) -> list[int]:
@@ -32,11 +36,19 @@ def resolve_layers(fractions: Sequence[float], num_layers: int) -> list[int]:
     return sorted({max(1, min(num_layers, round(f * num_layers))) for f in fractions})
 
 
+def check_pooling(pooling: Sequence[str]) -> list[str]:
+    """``pooling`` in feature order (``last`` before ``mean``), refusing unknown or repeated kinds."""
+    if not pooling or any(p not in POOLINGS for p in pooling) or len(set(pooling)) != len(pooling):
+        raise ValueError(f"decision head pooling is one or both of {list(POOLINGS)}; got {list(pooling)}")
+    return [p for p in POOLINGS if p in pooling]
+
+
 @dataclass
 class DecisionHead:
     layers: list[int]
-    weight: Any  # torch.FloatTensor [len(layers) * hidden]
+    weight: Any  # torch.FloatTensor [len(pooling) * len(layers) * hidden]
     bias: float
+    pooling: list[str] = field(default_factory=lambda: ["last"])
 
     def probability(self, feats):
         """P(clarify) for ``[batch, dim]`` features (float32)."""
@@ -45,20 +57,21 @@ class DecisionHead:
         return torch.sigmoid(feats @ self.weight + self.bias)
 
     @classmethod
-    def from_standardised(cls, layers: Sequence[int], coef, intercept: float, mean, scale) -> "DecisionHead":
+    def from_standardised(cls, layers: Sequence[int], coef, intercept: float, mean, scale,
+                          pooling: Sequence[str] = ("last",)) -> "DecisionHead":
         """A head fitted on standardised features ``(x - mean) / scale``, folded into one affine map."""
         import torch
 
         coef, mean, scale = (torch.as_tensor(v, dtype=torch.float64) for v in (coef, mean, scale))
         w = coef / scale
-        return cls(list(layers), w.float(), float(intercept - (w * mean).sum()))
+        return cls(list(layers), w.float(), float(intercept - (w * mean).sum()), check_pooling(pooling))
 
     def save(self, folder: str | Path) -> Path:
         from safetensors.torch import save_file
 
         path = Path(folder) / HEAD_FILE
         save_file({"weight": self.weight.contiguous(), "bias": self.weight.new_tensor([self.bias])}, str(path),
-                  metadata={"layers": json.dumps(self.layers)})
+                  metadata={"layers": json.dumps(self.layers), "pooling": json.dumps(self.pooling)})
         return path
 
     @classmethod
@@ -70,12 +83,17 @@ class DecisionHead:
         if not path.is_file():
             return None
         with safe_open(str(path), framework="pt") as f:
-            layers = json.loads((f.metadata() or {})["layers"])
+            meta = f.metadata() or {}
+            layers, pooling = json.loads(meta["layers"]), json.loads(meta.get("pooling", '["last"]'))
             weight, bias = f.get_tensor("weight").float(), float(f.get_tensor("bias")[0])
-        return cls([int(i) for i in layers], weight, bias)
+        try:
+            pooling = check_pooling(pooling)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        return cls([int(i) for i in layers], weight, bias, pooling)
 
     def check(self, num_layers: int, hidden_size: int) -> None:
         """Refuse a head that does not fit the model it is loaded with (naming both shapes)."""
-        if max(self.layers) > num_layers or self.weight.numel() != len(self.layers) * hidden_size:
-            raise ValueError(f"{HEAD_FILE} reads layers {self.layers} ({self.weight.numel()} features) but the model "
-                             f"has {num_layers} layers of {hidden_size}")
+        if max(self.layers) > num_layers or self.weight.numel() != len(self.pooling) * len(self.layers) * hidden_size:
+            raise ValueError(f"{HEAD_FILE} reads layers {self.layers} pooled {'+'.join(self.pooling)} "
+                             f"({self.weight.numel()} features) but the model has {num_layers} layers of {hidden_size}")

@@ -27,9 +27,9 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from clarifier.engine.decision_head import DecisionHead
+from clarifier.engine.decision_head import POOLINGS, DecisionHead
 from clarifier.engine.target_constraint import TargetConstraint, grammar_for, vocab_index
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from clarifier.engine.precision import place, resolve_precision, torch_dtype
@@ -199,31 +199,50 @@ class ClarifierEngine:
         enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return {k: v.to(self.device) for k, v in enc.items()}
 
-    def _decision_pass(self, items: list[tuple], keep_cache: bool = False, layers: list[int] | None = None):
+    def _decision_pass(self, items: list[tuple], keep_cache: bool = False, layers: list[int] | None = None,
+                       pooling: Sequence[str] = ("last",)):
         """One forward pass over ``prompt + "decision:"``: ``(P(clarify) from the decision tokens, the hidden
-        states of ``layers`` at the last position or None, DecisionPass)``.
+        states of ``layers`` pooled as ``pooling`` or None, DecisionPass)``.
 
         The two decision logits are computed in float32 from the final hidden state (a bf16 model's
         own logits are rounded to 8 bits of mantissa, too coarse for a calibrated threshold). With
         ``keep_cache`` the pass also returns its inputs and KV cache for :meth:`_ask`. ``layers`` are
         numbered as ``output_hidden_states`` numbers them (``i``: the output of decoder layer ``i - 1``;
-        the last: after the final norm); only their last position is kept, by hooks, so a large batch
-        does not hold every layer's states for every token.
+        the last: after the final norm); hooks reduce each to its last position (``last``) and to its
+        mean over the prompt's tokens (``mean``, padding masked) as it is computed, so a large batch does
+        not hold every layer's states for every token. Features: every layer's ``last``, then every
+        layer's ``mean`` (:mod:`clarifier.engine.decision_head`).
         """
         torch = self._torch
         texts = [self._prompt(h, q, p) + DECISION_PREFIX for h, q, p in items]
         head = self.model.get_output_embeddings()
         n_layers = self.model.config.num_hidden_layers
         captured: dict = {}
+
+        def keep(i: int, kinds: Sequence[str]):
+            def hook(_m, _args, out):
+                t = out[0] if isinstance(out, tuple) else out
+                if "last" in kinds:
+                    captured[("last", i)] = t[:, -1, :].float()
+                if "mean" in kinds:
+                    m = captured["mask"]
+                    captured[("mean", i)] = (t.float() * m).sum(1) / m.sum(1)
+            return hook
+
         hooks = [head.register_forward_hook(lambda _m, args, _out: captured.__setitem__("h", args[0]))]
-        decoder = self.model.get_decoder().layers if layers else []
+        decoder = self.model.get_decoder() if layers else None
         for i in (layers or []):
             if i < n_layers:
-                hooks.append(decoder[i - 1].register_forward_hook(
-                    lambda _m, _args, out, i=i: captured.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[:, -1, :])))
+                hooks.append(decoder.layers[i - 1].register_forward_hook(keep(i, pooling)))
+            elif "mean" in pooling:  # the last layer after the final norm: the LM head sees only its last position
+                if getattr(decoder, "norm", None) is None:
+                    raise ValueError(f"mean pooling of the last layer needs the decoder's final norm "
+                                     f"({type(decoder).__name__} has no .norm)")
+                hooks.append(decoder.norm.register_forward_hook(keep(i, ("mean",))))
         try:
             with torch.inference_mode():
                 enc = self._encode(texts)
+                captured["mask"] = enc["attention_mask"].unsqueeze(-1).float()
                 # Only the last position's logits: with a large vocabulary (Gemma: 262k) the full
                 # [batch, length, vocab] tensor would cost most of the time and gigabytes of memory.
                 out = self.model(**enc, position_ids=positions_from_mask(enc["attention_mask"]), logits_to_keep=1,
@@ -237,7 +256,8 @@ class ClarifierEngine:
                 if cap:
                     pair = torch.tanh(pair / cap) * cap
                 probs = torch.softmax(pair, dim=-1)[:, 0]
-                feats = (torch.cat([hidden if i >= n_layers else captured[i].float() for i in layers], dim=-1)
+                captured.update({("last", i): hidden for i in (layers or []) if i >= n_layers})
+                feats = (torch.cat([captured[(kind, i)] for kind in POOLINGS if kind in pooling for i in layers], dim=-1)
                          if layers else None)
         finally:
             for h in hooks:
@@ -250,15 +270,17 @@ class ClarifierEngine:
         """P(clarify) per item -- from the decision head when the model has one, else from the decision
         tokens -- and the pass's state (see :meth:`_decision_pass`)."""
         dh = self.decision_head
-        probs, feats, state = self._decision_pass(items, keep_cache, dh.layers if dh else None)
+        probs, feats, state = self._decision_pass(items, keep_cache, dh.layers if dh else None,
+                                                  dh.pooling if dh else ("last",))
         if dh is not None:
             probs = dh.probability(feats)
         return [float(x) for x in probs], state
 
-    def decision_features(self, items: list[tuple], layers: list[int]) -> tuple[list[float], Any]:
-        """``(P(clarify) from the decision tokens, [n, len(layers) * hidden] float32 features)`` for
-        ``(history, query, passages)`` items: what a decision head is fitted on (one forward pass)."""
-        probs, feats, _ = self._decision_pass(items, False, layers)
+    def decision_features(self, items: list[tuple], layers: list[int],
+                          pooling: Sequence[str] = ("last",)) -> tuple[list[float], Any]:
+        """``(P(clarify) from the decision tokens, [n, len(pooling) * len(layers) * hidden] float32 features)``
+        for ``(history, query, passages)`` items: what a decision head is fitted on (one forward pass)."""
+        probs, feats, _ = self._decision_pass(items, False, layers, pooling)
         return [float(x) for x in probs], feats
 
     def score(self, items: list[tuple]) -> list[float]:

@@ -67,9 +67,10 @@ class PipelineEngine(ClarifierEngine):
                    prompt_opts=meta.prompt_options(), max_new_tokens=max_new_tokens,
                    decision_head=DecisionHead.load(folder) if decision_head else None)  # read with "when"'s states
 
-    def _decision_pass(self, items: list[tuple], keep_cache: bool = False, layers: list[int] | None = None):
+    def _decision_pass(self, items: list[tuple], keep_cache: bool = False, layers: list[int] | None = None,
+                       pooling=("last",)):
         self.model.set_adapter("when")
-        return super()._decision_pass(items, keep_cache, layers)
+        return super()._decision_pass(items, keep_cache, layers, pooling)
 
     def _continue(self, texts: list[str], adapter: str, one_line: bool, items, written=None) -> list[str]:
         self.model.set_adapter(adapter)

@@ -88,7 +88,7 @@ def model_card(name: str, meta, result: dict | None, row: str) -> dict:
             "base_model": meta.base_model, "base_model_license": BASE_LICENSES.get(meta.base_model, "see the base model"),
             "finetune": meta.finetune, "trained_precision": meta.precision, "threshold": meta.threshold,
             "prompt": meta.prompt,
-            "decision_head": ({k: meta.decision_head.get(k) for k in ("layers", "c", "n_train", "n_dev", "dev_macro_auroc",
+            "decision_head": ({k: meta.decision_head.get(k) for k in ("layers", "pooling", "c", "n_train", "n_dev", "dev_macro_auroc",
                                                                        "dev_macro_auroc_token")}
                               if meta.decision_head else None)}
     if not result:
@@ -126,8 +126,10 @@ def card_markdown(c: dict) -> str:
              f"{c['trained_precision']}, shipped as bf16 safetensors.",
              f"- Threshold {_f(c['threshold'])}" + (f" ({c['operating_point']['rule']})" if c.get("operating_point") else "") + "."]
     h = c.get("decision_head")
-    lines.append(f"- Decision: a decision head (logistic regression on the hidden states of layers {h['layers']} at the "
-                 f"decision position, C={h['c']:g}, fitted on {h['n_train']} train turns; dev within-source AUROC "
+    where = ("at the decision position and averaged over the prompt" if (h or {}).get("pooling") == ["last", "mean"]
+             else "averaged over the prompt" if (h or {}).get("pooling") == ["mean"] else "at the decision position")
+    lines.append(f"- Decision: a decision head (logistic regression on the hidden states of layers {h['layers']} {where}, "
+                 f"C={h['c']:g}, fitted on {h['n_train']} train turns; dev within-source AUROC "
                  f"{_f(h['dev_macro_auroc'])} vs {_f(h['dev_macro_auroc_token'])} from the decision tokens)." if h else
                  "- Decision: from the two decision-token logits.")
     if "recipe" not in c:

@@ -312,11 +312,12 @@ def head_table(result: dict) -> list[str]:
         h = row.get("decision_head")
         if not h:
             continue
-        lines.append([name, row["kind"], ", ".join(map(str, h.get("layers") or [])), fmt(h.get("c")), str(h.get("n_train")),
+        lines.append([name, row["kind"], ", ".join(map(str, h.get("layers") or [])), "+".join(h.get("pooling") or ["last"]),
+                      fmt(h.get("c")), str(h.get("n_train")),
                       fmt(h.get("dev_macro_auroc")), fmt(h.get("dev_macro_auroc_token")), fmt(h.get("seconds"))])
     if not lines:
         return []
-    return _table(["row", "kind", "layers", "C", "train examples", "dev within-source AUROC (head)",
+    return _table(["row", "kind", "layers", "pooling", "C", "train examples", "dev within-source AUROC (head)",
                    "dev within-source AUROC (decision tokens)", "fit seconds"], lines)
 
 

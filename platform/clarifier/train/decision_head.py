@@ -1,7 +1,7 @@
 """Fit a model folder's decision head (:mod:`clarifier.engine.decision_head`) after training.
 
 The model is loaded as evaluation and serving load it (merged adapter, same precision, same prompt);
-one forward pass per example gives its hidden states at the decision position for a seeded sample of
+one forward pass per example gives its hidden states at the decision position (and, with pooling ``mean``, averaged over the prompt) for a seeded sample of
 the train split (``train.decision_head.max_per_source`` per source, half needing a question where the
 source has enough) and for the whole calibration split. A logistic regression (scikit-learn) is fitted
 on the standardised states, every source and class weighing the same (as ``train.balance:
@@ -32,7 +32,8 @@ def balanced_weights(sources: list[str], gold: list[bool]) -> list[float]:
     return [w * scale for w in raw]
 
 
-def hidden_features(engine, examples, layers, batch_size: int, label: str, progress: Callable[[str], None]):
+def hidden_features(engine, examples, layers, batch_size: int, label: str, progress: Callable[[str], None],
+                    pooling=("last",)):
     """``(decision-token P(clarify), features)`` of ``examples``, in their order; batched by length (the
     rendered conversation's characters), so a batch pads little."""
     import numpy as np
@@ -46,7 +47,7 @@ def hidden_features(engine, examples, layers, batch_size: int, label: str, progr
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         p, f = engine.decision_features([(examples[i].history, examples[i].query, examples[i].passages) for i in rows],
-                                        layers)
+                                        layers, pooling)
         for i, v in zip(rows, p):
             token[i] = v
         feats.append(f)
@@ -67,18 +68,18 @@ def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHead
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
 
-    from clarifier.engine.decision_head import DecisionHead, resolve_layers
+    from clarifier.engine.decision_head import DecisionHead, check_pooling, resolve_layers
 
     t0 = time.time()
     train = sample_by_source(train_examples, cfg.max_per_source, seed, clarify_share=0.5)
     for name, rows in (("train sample", train), ("calibration split", dev_examples)):
         if len({e.needs_clarification for e in rows}) < 2:
             raise ValueError(f"decision head: the {name} needs turns of both classes ({len(rows)} examples)")
-    layers = resolve_layers(cfg.layers, engine.model.config.num_hidden_layers)
-    progress(f"[head] fitting a decision head on layers {layers}: {len(train)} train examples "
+    layers, pooling = resolve_layers(cfg.layers, engine.model.config.num_hidden_layers), check_pooling(cfg.pooling)
+    progress(f"[head] fitting a decision head on layers {layers} ({'+'.join(pooling)}): {len(train)} train examples "
              f"({sum(e.needs_clarification for e in train)} need a question), {len(dev_examples)} to choose it")
-    _, x_train = hidden_features(engine, train, layers, cfg.batch_size, "train", progress)
-    dev_token, x_dev = hidden_features(engine, dev_examples, layers, cfg.batch_size, "dev", progress)
+    _, x_train = hidden_features(engine, train, layers, cfg.batch_size, "train", progress, pooling)
+    dev_token, x_dev = hidden_features(engine, dev_examples, layers, cfg.batch_size, "dev", progress, pooling)
 
     y = np.array([e.needs_clarification for e in train])
     weights = balanced_weights([source_of(e) for e in train], list(y))
@@ -94,9 +95,10 @@ def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHead
         if best is None or (macro or 0.0) > (best[0] or 0.0):
             best = (macro, c, lr, scores)
     macro, c, lr, scores = best
-    head = DecisionHead.from_standardised(layers, lr.coef_[0], float(lr.intercept_[0]), scaler.mean_, scaler.scale_)
+    head = DecisionHead.from_standardised(layers, lr.coef_[0], float(lr.intercept_[0]), scaler.mean_, scaler.scale_,
+                                          pooling)
     token_macro = within_source_summary(dev_gold, dev_token, dev_sources)["macro_auroc"]
-    summary = {"layers": layers, "layer_fractions": list(cfg.layers), "c": c, "n_train": len(train),
+    summary = {"layers": layers, "layer_fractions": list(cfg.layers), "pooling": pooling, "c": c, "n_train": len(train),
                "n_dev": len(dev_examples), "dev_macro_auroc": macro, "dev_macro_auroc_token": token_macro,
                "tried": tried, "precision": engine.precision, "seconds": round(time.time() - t0, 1),
                "dev_scores": [float(s) for s in scores]}

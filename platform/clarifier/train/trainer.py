@@ -147,7 +147,8 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
         if head:
             mlflow.log_metrics({f"decision_head/{k}": head[k] for k in ("dev_macro_auroc", "dev_macro_auroc_token", "c",
                                                                          "n_train", "seconds") if head[k] is not None})
-            mlflow.set_tag("decision_head.layers", ",".join(map(str, head["layers"])))
+            mlflow.set_tags({"decision_head.layers": ",".join(map(str, head["layers"])),
+                             "decision_head.pooling": "+".join(head.get("pooling") or ["last"])})
         if calib:
             mlflow.log_metrics({"calibration/threshold": calib["threshold"]})
             mlflow.set_tags({"calibration.rule": calib["rule"], "calibration.n": calib["n"]})
