@@ -204,7 +204,7 @@ def test_leave_out_runs_one_part_of_a_plan_under_its_own_name(tmp_path):
     plan, name = resolve_plan("joint-public-loo", ["train.max_minutes=1"], ["pacific", "claqua"])
     assert name == "recipe-joint-public-loo-pacific-claqua" and plan.leave_one_out.sources == ["pacific", "claqua"]
     assert plan.overrides[-1] == "train.max_minutes=1" and plan.leave_one_out.overrides == ["train.max_minutes=20"]
-    with pytest.raises(ConfigError, match=r"\['clariqq'\] are not among recipe 'joint-public'"):
+    with pytest.raises(ConfigError, match=r"\['clariqq'\] are not sources of recipe 'joint-public' \(it has \['clariq'"):
         resolve_plan("joint-public-loo", leave_out=["clariqq"])
     (tmp_path / "p.yaml").write_text("recipe: joint-public\nleave_one_out: {sources: [nope]}\n")
     with pytest.raises(ConfigError, match="nope"):  # a plan's own typo, refused before any work

@@ -139,7 +139,7 @@ def resolve_plan(plan_name: str, overrides=(), leave_out=()) -> tuple[BenchmarkP
     names = [s.source_name for s in load_config(recipe_path(plan.recipe), plan.overrides).data.sources]
     unknown = [s for s in plan.leave_one_out.sources if s not in names]
     if unknown:
-        raise ConfigError(f"leave-one-out source(s) {unknown} are not among recipe {plan.recipe!r}'s sources {names}")
+        raise ConfigError(f"leave-one-out source(s) {unknown} are not sources of recipe {plan.recipe!r} (it has {names})")
     return plan, name
 
 
