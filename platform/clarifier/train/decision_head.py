@@ -1,9 +1,10 @@
 """Fit a model folder's decision head (:mod:`clarifier.engine.decision_head`) after training.
 
 The model is loaded as evaluation and serving load it (merged adapter, same precision, same prompt);
-one forward pass per example gives its hidden states at the decision position (and, with pooling ``mean``, averaged over the prompt) for a seeded sample of
-the train split (``train.decision_head.max_per_source`` per source, half needing a question where the
-source has enough) and for the whole calibration split. A logistic regression (scikit-learn) is fitted
+one forward pass per example gives its hidden states at the decision position (and, with pooling
+``mean``, averaged over the prompt) for a seeded sample of the train split
+(``train.decision_head.max_per_source`` per source, half needing a question where the source has
+enough) and for the whole calibration split. A logistic regression (scikit-learn) is fitted
 on the standardised states, every source and class weighing the same (as ``train.balance:
 source_class`` draws them), once per strength in ``c_grid``; the strength with the best mean
 within-source AUROC on the calibration split is kept. Its dev scores are returned so the threshold is
