@@ -24,37 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import write_result  # noqa: E402
 
 
-def pooled_features(engine, examples, layers, batch_size: int, label: str):
-    """``(last, mean)`` float32 arrays ``[n, len(layers) * hidden]``: the states at the decision position and
-    the states averaged over every prompt token (padding masked), in ``examples`` order."""
-    import numpy as np
-    import torch
-
-    from clarifier.core.prompt import render_user_message
-    from clarifier.engine.inference import DECISION_PREFIX, positions_from_mask
-
-    order = sorted(range(len(examples)), key=lambda i: len(render_user_message(
-        examples[i].history, examples[i].query, examples[i].passages, engine.opts)))
-    dim = len(layers) * engine.model.config.hidden_size
-    last, mean = np.zeros((len(examples), dim), np.float32), np.zeros((len(examples), dim), np.float32)
-    t0 = time.time()
-    for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
-        enc = engine._encode([engine._prompt(examples[i].history, examples[i].query, examples[i].passages)
-                              + DECISION_PREFIX for i in rows])
-        with torch.inference_mode():
-            out = engine.model(**enc, position_ids=positions_from_mask(enc["attention_mask"]),
-                               output_hidden_states=True, logits_to_keep=1)
-        m = enc["attention_mask"].unsqueeze(-1).float()
-        last[rows] = torch.cat([out.hidden_states[i][:, -1, :].float() for i in layers], -1).numpy()
-        mean[rows] = torch.cat([(out.hidden_states[i].float() * m).sum(1) / m.sum(1) for i in layers], -1).numpy()
-        done = start + len(rows)
-        if done % 256 < len(rows) or done == len(examples):
-            print(f"[pooling] {label}: {done}/{len(examples)} ({done / max(time.time() - t0, 1e-9):.1f} examples/s)",
-                  flush=True)
-    return last, mean
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="the recipe benchmark's data-job output (train, dev and test splits)")
@@ -77,7 +46,7 @@ def main() -> None:
     from clarifier.engine.decision_head import resolve_layers
     from clarifier.engine.loading import load_engine
     from clarifier.evaluation.evaluate import fingerprint_examples
-    from clarifier.train.decision_head import balanced_weights
+    from clarifier.train.decision_head import balanced_weights, hidden_features
 
     t0 = time.time()
     cfg = DecisionHeadConfig()
@@ -93,8 +62,12 @@ def main() -> None:
         with np.load(cache) as f:
             feats = {name: (f[f"{name}_last"], f[f"{name}_mean"]) for name in ("train", "dev", "test")}
     else:
-        feats = {name: pooled_features(engine, rows, layers, cfg.batch_size, name)
-                 for name, rows in (("train", train), ("dev", dev), ("test", test))}
+        dim = len(layers) * engine.model.config.hidden_size  # the engine's features: every layer's last, then mean
+        feats = {}
+        for name, rows in (("train", train), ("dev", dev), ("test", test)):
+            _, x = hidden_features(engine, rows, layers, cfg.batch_size, name, lambda m: print(m, flush=True),
+                                   ("last", "mean"))
+            feats[name] = (x[:, :dim], x[:, dim:])
         if cache:
             np.savez(cache, **{f"{n}_{k}": v for n, (last, mean) in feats.items() for k, v in (("last", last), ("mean", mean))})
 
