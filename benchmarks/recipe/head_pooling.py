@@ -36,8 +36,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import numpy as np
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.preprocessing import StandardScaler
 
     from clarifier.core.config import DecisionHeadConfig
     from clarifier.core.metrics import paired_bootstrap, within_source_summary
@@ -46,7 +44,7 @@ def main() -> None:
     from clarifier.engine.decision_head import resolve_layers
     from clarifier.engine.loading import load_engine
     from clarifier.evaluation.evaluate import fingerprint_examples
-    from clarifier.train.decision_head import balanced_weights, hidden_features
+    from clarifier.train.decision_head import fit_on_features, hidden_features
 
     t0 = time.time()
     cfg = DecisionHeadConfig()
@@ -75,22 +73,12 @@ def main() -> None:
         last, mean = feats[name]
         return last if kind == "last" else np.hstack([last, mean])
 
-    y = np.array([e.needs_clarification for e in train])
-    weights = balanced_weights([source_of(e) for e in train], list(y))
-    dev_gold, dev_src = [e.needs_clarification for e in dev], [source_of(e) for e in dev]
     gold, src = [e.needs_clarification for e in test], [source_of(e) for e in test]
     heads, systems = {}, {}
     for kind in ("last", "last+mean"):
-        scaler = StandardScaler().fit(split("train", kind))
-        best = None
-        for c in cfg.c_grid:
-            lr = LogisticRegression(C=c, max_iter=3000).fit(scaler.transform(split("train", kind)), y, sample_weight=weights)
-            macro = within_source_summary(dev_gold, list(lr.predict_proba(scaler.transform(split("dev", kind)))[:, 1]),
-                                          dev_src)["macro_auroc"]
-            if best is None or macro > best[0]:
-                best = (macro, c, lr)
-        macro, c, lr = best
-        scores = [float(v) for v in lr.predict_proba(scaler.transform(split("test", kind)))[:, 1]]
+        fit = fit_on_features(split("train", kind), train, split("dev", kind), dev, cfg.c_grid)
+        macro, c = fit["dev_macro_auroc"], fit["c"]
+        scores = [float(v) for v in fit["model"].predict_proba(fit["scaler"].transform(split("test", kind)))[:, 1]]
         summary = within_source_summary(gold, scores, src)
         heads[kind] = {"c": c, "dev_macro_auroc": round(macro, 4), "test_within_source": summary}
         systems[kind] = ([s >= 0.5 for s in scores], scores)

@@ -126,8 +126,8 @@ def card_markdown(c: dict) -> str:
              f"{c['trained_precision']}, shipped as bf16 safetensors.",
              f"- Threshold {_f(c['threshold'])}" + (f" ({c['operating_point']['rule']})" if c.get("operating_point") else "") + "."]
     h = c.get("decision_head")
-    where = ("at the decision position and averaged over the prompt" if (h or {}).get("pooling") == ["last", "mean"]
-             else "averaged over the prompt" if (h or {}).get("pooling") == ["mean"] else "at the decision position")
+    where = " and ".join({"last": "at the decision position", "mean": "averaged over the prompt"}[p]
+                         for p in (h or {}).get("pooling") or ["last"])
     lines.append(f"- Decision: a decision head (logistic regression on the hidden states of layers {h['layers']} {where}, "
                  f"C={h['c']:g}, fitted on {h['n_train']} train turns; dev within-source AUROC "
                  f"{_f(h['dev_macro_auroc'])} vs {_f(h['dev_macro_auroc_token'])} from the decision tokens)." if h else

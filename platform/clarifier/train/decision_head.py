@@ -60,15 +60,37 @@ def hidden_features(engine, examples, layers, batch_size: int, label: str, progr
     return token, x
 
 
+def fit_on_features(x_train, train: list, x_dev, dev: list, c_grid) -> dict:
+    """The head's regression on features already computed (rows in ``train`` / ``dev`` order): standardised,
+    every source and class weighing the same, one fit per strength in ``c_grid``; the one with the best mean
+    within-source AUROC on ``dev`` is kept. Returns ``model``, ``scaler``, ``c``, ``dev_macro_auroc``,
+    ``dev_scores`` and every strength ``tried``."""
+    import numpy as np
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    y = np.array([e.needs_clarification for e in train])
+    weights = balanced_weights([source_of(e) for e in train], list(y))
+    scaler = StandardScaler().fit(x_train)
+    xs_train, xs_dev = scaler.transform(x_train), scaler.transform(x_dev)
+    dev_gold, dev_sources = [e.needs_clarification for e in dev], [source_of(e) for e in dev]
+    tried, best = [], None
+    for c in c_grid:
+        lr = LogisticRegression(C=c, max_iter=3000).fit(xs_train, y, sample_weight=weights)
+        scores = lr.predict_proba(xs_dev)[:, 1]
+        macro = within_source_summary(dev_gold, list(scores), dev_sources)["macro_auroc"]
+        tried.append({"c": c, "dev_macro_auroc": macro})
+        if best is None or (macro or 0.0) > (best[0] or 0.0):
+            best = (macro, c, lr, scores)
+    macro, c, lr, scores = best
+    return {"model": lr, "scaler": scaler, "c": c, "dev_macro_auroc": macro, "dev_scores": scores, "tried": tried}
+
+
 def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHeadConfig, *, seed: int = 0,
              progress: Callable[[str], None] = print):
     """``(DecisionHead, summary)`` fitted on ``engine``'s hidden states (any engine: a trained model's,
     or a base model's for a head on the untrained base). The summary has the dev scores (``dev_scores``,
     in ``dev_examples`` order) and both decisions' dev within-source AUROC."""
-    import numpy as np
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.preprocessing import StandardScaler
-
     from clarifier.engine.decision_head import DecisionHead, check_pooling, resolve_layers
 
     t0 = time.time()
@@ -82,20 +104,10 @@ def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHead
     _, x_train = hidden_features(engine, train, layers, cfg.batch_size, "train", progress, pooling)
     dev_token, x_dev = hidden_features(engine, dev_examples, layers, cfg.batch_size, "dev", progress, pooling)
 
-    y = np.array([e.needs_clarification for e in train])
-    weights = balanced_weights([source_of(e) for e in train], list(y))
-    scaler = StandardScaler().fit(x_train)
-    xs_train, xs_dev = scaler.transform(x_train), scaler.transform(x_dev)
     dev_gold, dev_sources = [e.needs_clarification for e in dev_examples], [source_of(e) for e in dev_examples]
-    tried, best = [], None
-    for c in cfg.c_grid:
-        lr = LogisticRegression(C=c, max_iter=3000).fit(xs_train, y, sample_weight=weights)
-        scores = lr.predict_proba(xs_dev)[:, 1]
-        macro = within_source_summary(dev_gold, list(scores), dev_sources)["macro_auroc"]
-        tried.append({"c": c, "dev_macro_auroc": macro})
-        if best is None or (macro or 0.0) > (best[0] or 0.0):
-            best = (macro, c, lr, scores)
-    macro, c, lr, scores = best
+    fit = fit_on_features(x_train, train, x_dev, dev_examples, cfg.c_grid)
+    macro, c, tried, scores = fit["dev_macro_auroc"], fit["c"], fit["tried"], fit["dev_scores"]
+    lr, scaler = fit["model"], fit["scaler"]
     head = DecisionHead.from_standardised(layers, lr.coef_[0], float(lr.intercept_[0]), scaler.mean_, scaler.scale_,
                                           pooling)
     token_macro = within_source_summary(dev_gold, dev_token, dev_sources)["macro_auroc"]
