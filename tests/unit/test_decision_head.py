@@ -128,6 +128,19 @@ def test_fitted_head_is_saved_and_decides_for_the_engine(tiny_model_dir, tmp_pat
     assert all(r.usage.completion_tokens > 0 for r in out)  # both were decoded past the decision
 
 
+def test_head_without_a_cap_reads_every_train_turn(tiny_model_dir, tmp_path):
+    from clarifier.core.config import DecisionHeadConfig, build_config
+    from clarifier.train.decision_head import fit_decision_head
+    from support.adapters import untrained_adapter
+
+    folder = untrained_adapter(tiny_model_dir, tmp_path / "m", threshold=0.5)
+    train = _examples(40, "t")[:-6]  # 34 turns: per source 17, of which 9 / 8 need a question
+    summary = fit_decision_head(folder, train, _examples(16, "d"), DecisionHeadConfig(
+        layers=[1.0], max_per_source=None, c_grid=[1.0]), precision="fp32", progress=lambda _: None)
+    assert summary["n_train"] == 34  # a cap of 12 would have drawn 24, half of them needing a question
+    assert build_config({}, ["train.decision_head.max_per_source=null"]).train.decision_head.max_per_source is None
+
+
 def test_head_needs_both_classes(tiny_model_dir, tmp_path):
     from clarifier.core.config import DecisionHeadConfig
     from clarifier.train.decision_head import fit_decision_head

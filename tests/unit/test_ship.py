@@ -104,3 +104,24 @@ def test_cli_package(trained_like, tmp_path):
     assert "packaged builtin:cli-model" in res.output and (tmp_path / "o" / "cli-model" / "MODEL_CARD.md").is_file()
     res = CliRunner().invoke(app, ["models", "package", str(tmp_path / "missing"), "--name", "m"])
     assert res.exit_code == 2 and "package error" in res.output
+
+
+def test_card_says_when_the_head_was_refitted_and_how_it_pools():
+    from types import SimpleNamespace
+
+    from clarifier.recipes.ship import card_markdown, model_card
+
+    head = {"layers": [8, 15], "pooling": ["last", "mean"], "c": 0.01, "n_train": 4747, "n_dev": 677,
+            "dev_macro_auroc": 0.74, "dev_macro_auroc_token": 0.586}
+    meta = SimpleNamespace(base_model="smollm2-135m-instruct", finetune="lora", precision="bf16", threshold=0.7,
+                           prompt={}, decision_head=head)
+    plain = card_markdown(model_card("m", meta, RESULT, "joint"))
+    assert ("layers [8, 15] at the decision position and averaged over the prompt, C=0.01, fitted on 4747 train turns; "
+            "dev within-source AUROC 0.740 vs 0.586 from the decision tokens).") in plain and "refitted" not in plain
+    meta.decision_head = {**head, "refit": {"date": "2026-12-05", "script": "benchmarks/recipe/head_refit.py", "git": "abc"}}
+    card = model_card("m", meta, {**RESULT, "recipe_file": "/work/x/platform/clarifier/recipes/configs/joint-public.yaml"},
+                      "joint")
+    assert card["decision_head"]["refit"]["git"] == "abc"
+    assert card["recipe"] == "clarifier/recipes/configs/joint-public.yaml"  # not the checkout it ran in
+    assert ("from the decision tokens); refitted on the trained adapter's states 2026-12-05 by "
+            "`benchmarks/recipe/head_refit.py` (git abc).") in card_markdown(card)

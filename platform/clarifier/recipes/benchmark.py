@@ -315,8 +315,10 @@ def _encoder_row(row: EncoderPlan, train: list, dev: list, examples: list, cfg: 
     return preds, info
 
 
-def _metrics(examples, preds, sim_fn, source_of, grounding_source) -> dict:
+def row_metrics(examples, preds, sim_fn, grounding_source) -> dict:
+    """A benchmark row's metrics: on every example (``all``) and inside each source."""
     from clarifier.core.metrics import evaluate_predictions
+    from clarifier.core.schema import source_of
 
     out = {"all": evaluate_predictions(examples, preds, similarity_fn=sim_fn)}
     for src in sorted({source_of(e) for e in examples}):
@@ -395,7 +397,7 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
 
     def add_row(name: str, kind: str, preds: list, **info):
         preds_of[name] = preds
-        rows[name] = {"kind": kind, **info, "metrics": _metrics(examples, preds, sim_fn, source_of, plan.grounding_source),
+        rows[name] = {"kind": kind, **info, "metrics": row_metrics(examples, preds, sim_fn, plan.grounding_source),
                       # per example, in eval_set.ids order: what later analyses (other intervals, other thresholds) need
                       "scores": [round(float(p.confidence), 6) for p in preds],
                       "decisions": [bool(p.needs_clarification) for p in preds]}

@@ -83,13 +83,20 @@ def _licenses(sources: dict) -> dict[str, str]:
     return out
 
 
+def _package_relative(path: str | None) -> str | None:
+    """A packaged recipe's path as the package names it (``clarifier/recipes/configs/x.yaml``), not the
+    checkout the benchmark ran in; any other path as it is."""
+    marker = "clarifier/recipes/"
+    return path[path.rindex(marker):] if path and marker in path else path
+
+
 def model_card(name: str, meta, result: dict | None, row: str) -> dict:
     card = {"name": name, "uri": f"builtin:{name}", "date": _dt.date.today().isoformat(),
             "base_model": meta.base_model, "base_model_license": BASE_LICENSES.get(meta.base_model, "see the base model"),
             "finetune": meta.finetune, "trained_precision": meta.precision, "threshold": meta.threshold,
             "prompt": meta.prompt,
             "decision_head": ({k: meta.decision_head.get(k) for k in ("layers", "pooling", "c", "n_train", "n_dev", "dev_macro_auroc",
-                                                                       "dev_macro_auroc_token")}
+                                                                       "dev_macro_auroc_token", "refit")}
                               if meta.decision_head else None)}
     if not result:
         return card
@@ -99,7 +106,7 @@ def model_card(name: str, meta, result: dict | None, row: str) -> dict:
     m = r["metrics"]["all"]
     sources = (result.get("data") or {}).get("sources") or {}
     card.update({
-        "recipe": result.get("recipe_file"), "plan": result.get("benchmark"), "row": row,
+        "recipe": _package_relative(result.get("recipe_file")), "plan": result.get("benchmark"), "row": row,
         "overrides": [*(result.get("plan") or {}).get("overrides", []), *r.get("overrides", [])],
         "code": result.get("code"), "mlflow_run": r.get("run_id"), "steps": r.get("steps"),
         "data": {"sources": {k: {kk: v.get(kk) for kk in ("importer", "kept", "kept_clarify", "conversations") if kk in v}
@@ -130,7 +137,9 @@ def card_markdown(c: dict) -> str:
                          for p in (h or {}).get("pooling") or ["last"])
     lines.append(f"- Decision: a decision head (logistic regression on the hidden states of layers {h['layers']} {where}, "
                  f"C={h['c']:g}, fitted on {h['n_train']} train turns; dev within-source AUROC "
-                 f"{_f(h['dev_macro_auroc'])} vs {_f(h['dev_macro_auroc_token'])} from the decision tokens)." if h else
+                 f"{_f(h['dev_macro_auroc'])} vs {_f(h['dev_macro_auroc_token'])} from the decision tokens)"
+                 + (f"; refitted on the trained adapter's states {h['refit']['date']} by `{h['refit']['script']}` "
+                    f"(git {h['refit']['git']})." if h.get("refit") else ".") if h else
                  "- Decision: from the two decision-token logits.")
     if "recipe" not in c:
         return "\n".join(lines + ["", "No benchmark result was given: no metrics on record.", ""])

@@ -4,7 +4,7 @@ The model is loaded as evaluation and serving load it (merged adapter, same prec
 one forward pass per example gives its hidden states at the decision position (and, with pooling
 ``mean``, averaged over the prompt) for a seeded sample of the train split
 (``train.decision_head.max_per_source`` per source, half needing a question where the source has
-enough) and for the whole calibration split. A logistic regression (scikit-learn) is fitted
+enough; null: the whole split) and for the whole calibration split. A logistic regression (scikit-learn) is fitted
 on the standardised states, every source and class weighing the same (as ``train.balance:
 source_class`` draws them), once per strength in ``c_grid``; the strength with the best mean
 within-source AUROC on the calibration split is kept. Its dev scores are returned so the threshold is
@@ -94,7 +94,8 @@ def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHead
     from clarifier.engine.decision_head import DecisionHead, check_pooling, resolve_layers
 
     t0 = time.time()
-    train = sample_by_source(train_examples, cfg.max_per_source, seed, clarify_share=0.5)
+    train = (list(train_examples) if cfg.max_per_source is None
+             else sample_by_source(train_examples, cfg.max_per_source, seed, clarify_share=0.5))
     for name, rows in (("train sample", train), ("calibration split", dev_examples)):
         if len({e.needs_clarification for e in rows}) < 2:
             raise ValueError(f"decision head: the {name} needs turns of both classes ({len(rows)} examples)")

@@ -1,0 +1,216 @@
+"""Refit a trained model's decision head under other settings and compare, paired. JSON out.
+
+    .venv/bin/python benchmarks/recipe/head_refit.py --data .clarifier/recipe-benchmark/joint-public/recipe/data
+    # recipe v3's head (last, 600 per source) against the same states plus their prompt mean over every train turn
+    # (v3.1's):  --head v3=last:600 --head v3.1=last+mean:all   (the defaults)
+    # and write the last head's model (a copy of --model with that head and a threshold calibrated on dev), plus a
+    # recipe-benchmark result whose row "joint" is that model on the recipe's evaluation set, to package it:
+    #   --save-model DIR --recipe-result benchmarks/results/recipe-joint-public.json
+
+The decision head (:mod:`clarifier.engine.decision_head`) is a logistic regression on hidden states of four
+layers; the recipe (`train.decision_head`) fits it on up to ``max_per_source`` train turns per source (half
+needing a question), source- and class-balanced, its strength chosen on the dev split. This script computes
+the model's states once (every train turn, the dev split, the whole test split; at the last position and
+averaged over the prompt) and fits every ``--head NAME=POOLING:MAX_PER_SOURCE`` with that same procedure
+(:func:`clarifier.train.decision_head.fit_on_features`); the first head is the reference. Only then are the
+test turns scored: on the recipe benchmark's evaluation set (the seeded test sample of ``joint-public``: 100
+turns per source, 30% needing a question; fingerprint recorded) and on the whole test split, each with the
+paired bootstrap of the mean within-source AUROC against the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import write_result  # noqa: E402
+
+
+def parse_head(spec: str) -> tuple[str, list[str], int | None]:
+    """``NAME=POOLING:MAX_PER_SOURCE`` (``v3.1=last+mean:all``) -> ``(name, pooling, cap or None)``."""
+    try:
+        name, rest = spec.split("=", 1)
+        pooling, cap = rest.split(":", 1)
+        return name, pooling.split("+"), None if cap == "all" else int(cap)
+    except ValueError:
+        raise SystemExit(f"--head {spec!r}: expected NAME=POOLING:MAX_PER_SOURCE, e.g. v3.1=last+mean:all") from None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", required=True, help="the recipe benchmark's data-job output (train, dev and test splits)")
+    ap.add_argument("--model", default="builtin:clarifier-smollm2-135m")
+    ap.add_argument("--head", action="append", default=None,
+                    help="NAME=POOLING:MAX_PER_SOURCE (POOLING last, mean or last+mean; MAX_PER_SOURCE a number or "
+                         "all); repeatable, the first is the reference (default: v3=last:600 v3.1=last+mean:all)")
+    ap.add_argument("--eval-per-source", type=int, default=100)
+    ap.add_argument("--eval-clarify-share", type=float, default=0.3)
+    ap.add_argument("--max-over-asking", type=float, default=0.1, help="the threshold rule, on dev")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--features", default=None, help="an .npz to keep the states in and reuse on a rerun")
+    ap.add_argument("--save-model", default=None, help="write the last head's model folder here")
+    ap.add_argument("--recipe-result", default=None,
+                    help="with --save-model: the recipe benchmark JSON the model's row came from; writes a copy whose "
+                         "row 'joint' is the saved model measured on the same evaluation set (to package it)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    heads = [parse_head(h) for h in (args.head or ["v3=last:600", "v3.1=last+mean:all"])]
+
+    import numpy as np
+
+    from clarifier.core.config import DecisionHeadConfig
+    from clarifier.core.metrics import paired_bootstrap, within_source_summary
+    from clarifier.core.schema import sample_by_source, source_of
+    from clarifier.data.outputs import load_split
+    from clarifier.engine.decision_head import check_pooling, resolve_layers
+    from clarifier.engine.loading import load_engine
+    from clarifier.evaluation.evaluate import fingerprint_examples
+    from clarifier.train.decision_head import fit_on_features, hidden_features
+
+    t0 = time.time()
+    cfg = DecisionHeadConfig()
+    for _, pooling, _ in heads:
+        check_pooling(pooling)
+    splits = {name: load_split(args.data, name) for name in ("train", "dev", "test")}
+    eval_set = sample_by_source(splits["test"], args.eval_per_source, args.seed, args.eval_clarify_share)
+    engine = load_engine(args.model, decision_head=False)
+    layers = resolve_layers(cfg.layers, engine.model.config.num_hidden_layers)
+    print(f"[refit] {args.model} ({engine.precision}), layers {layers}: {len(splits['train'])} train, "
+          f"{len(splits['dev'])} dev, {len(splits['test'])} test turns; evaluation set {len(eval_set)} "
+          f"(fingerprint {fingerprint_examples(eval_set)[:12]})", flush=True)
+    dim = len(layers) * engine.model.config.hidden_size  # the engine's features: every layer's last, then mean
+    cache = Path(args.features) if args.features else None
+    feats = dict(np.load(cache)) if cache and cache.is_file() else {}
+    cached = sorted(feats)  # splits whose states a previous run of the same data and model computed
+
+    def states(name):
+        if name not in feats:
+            feats[name] = hidden_features(engine, splits[name], layers, cfg.batch_size, name,
+                                          lambda m: print(m, flush=True), ("last", "mean"))[1]
+            if cache:
+                np.savez(cache, **feats)
+        return feats[name]
+
+    def columns(x, pooling):
+        return np.hstack([x[:, :dim] if p == "last" else x[:, dim:] for p in pooling])
+
+    row_of = {name: {e.id: i for i, e in enumerate(rows)} for name, rows in splits.items()}
+    x_dev, fits = states("dev"), {}
+    for head_name, pooling, cap in heads:  # every head is fixed before the test split is read
+        train = splits["train"] if cap is None else sample_by_source(splits["train"], cap, args.seed, clarify_share=0.5)
+        x_train = columns(states("train")[[row_of["train"][e.id] for e in train]], pooling)
+        fit = fit_on_features(x_train, train, columns(x_dev, pooling), splits["dev"], cfg.c_grid)
+        fits[head_name] = {**fit, "pooling": pooling, "n_train": len(train)}
+        print(f"[refit] {head_name} ({'+'.join(pooling)}, {len(train)} train turns): C={fit['c']:g}, "
+              f"dev within-source AUROC {fit['dev_macro_auroc']:.3f}", flush=True)
+    x_test = states("test")
+
+    results, systems = {}, {}
+    for set_name, rows in (("evaluation_set", eval_set), ("test_split", splits["test"])):
+        x = x_test[[row_of["test"][e.id] for e in rows]]
+        gold, src = [e.needs_clarification for e in rows], [source_of(e) for e in rows]
+        systems[set_name] = {}
+        for head_name, fit in fits.items():
+            scores = [float(v) for v in fit["model"].predict_proba(fit["scaler"].transform(columns(x, fit["pooling"])))[:, 1]]
+            systems[set_name][head_name] = ([s >= 0.5 for s in scores], scores)
+            summary = within_source_summary(gold, scores, src)
+            results.setdefault(head_name, {"pooling": fit["pooling"], "n_train": fit["n_train"], "c": fit["c"],
+                                           "dev_macro_auroc": round(fit["dev_macro_auroc"], 4), "tried": fit["tried"]})
+            results[head_name][set_name] = summary
+            print(f"[refit] {head_name} on the {set_name.replace('_', ' ')} ({len(rows)} turns): mean within-source "
+                  f"AUROC {summary['macro_auroc']:.3f}", flush=True)
+    reference = heads[0][0]
+    boots = {}
+    for set_name, rows in (("evaluation_set", eval_set), ("test_split", splits["test"])):
+        boots[set_name] = paired_bootstrap([e.needs_clarification for e in rows], systems[set_name],
+                                           reference=reference, sources=[source_of(e) for e in rows], seed=args.seed)
+        for head_name in fits:
+            if head_name != reference:
+                print(f"[refit] {head_name} minus {reference} on the {set_name.replace('_', ' ')}: "
+                      f"{boots[set_name]['systems'][head_name]['macro_auroc_diff']}", flush=True)
+
+    saved = None
+    if args.save_model:
+        head_name = heads[-1][0]
+        saved = save_model(args, engine, fits[head_name], layers, cfg, splits, eval_set, head_name)
+    path = write_result("recipe-head-refit", {
+        "data": args.data, "model": args.model, "precision": engine.precision, "layers": layers,
+        "heads": results, "reference": reference, "n": {k: len(v) for k, v in splits.items()},
+        "eval_fingerprint": fingerprint_examples(eval_set), "test_fingerprint": fingerprint_examples(splits["test"]),
+        "bootstrap": boots, "saved": saved, "states_from_cache": cached, "seconds": round(time.time() - t0, 1)},
+        args.out)
+    print(f"[refit] wrote {path}")
+
+
+def save_model(args, engine, fit, layers, cfg, splits, eval_set, head_name) -> dict:
+    """A copy of ``--model`` deciding with ``fit``'s head, its threshold chosen on the dev scores by the
+    recipe's rule; with ``--recipe-result``, a copy of that result whose row ``joint`` is this model on the
+    same evaluation set (decisions, questions, grounding: the engine's full predict)."""
+    from clarifier.engine.builtin import resolve_builtin_uri
+    from clarifier.engine.decision_head import DecisionHead
+    from clarifier.engine.inference import read_meta, write_meta
+    from clarifier.engine.loading import load_engine
+    from clarifier.core.config import load_config
+    from clarifier.evaluation.evaluate import fingerprint_examples, similarity_fn_for
+    from clarifier.recipes import recipe_path
+    from clarifier.recipes.benchmark import row_metrics
+    from clarifier.runtime.cluster import git_commit
+    from clarifier.train.calibrate import calibrate_model
+
+    src = Path(resolve_builtin_uri(args.model).folder if args.model.startswith("builtin:") else args.model)
+    dst = Path(args.save_model)
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("MODEL_CARD.md", "card.json"))
+    lr, scaler = fit["model"], fit["scaler"]
+    DecisionHead.from_standardised(layers, lr.coef_[0], float(lr.intercept_[0]), scaler.mean_, scaler.scale_,
+                                   fit["pooling"]).save(dst)
+    meta = read_meta(dst)
+    refit = {"script": "benchmarks/recipe/head_refit.py", "head": head_name, "git": git_commit(),
+             "date": time.strftime("%Y-%m-%d")}
+    write_meta(dst, replace(meta, decision_head={
+        "layers": layers, "layer_fractions": list(cfg.layers), "pooling": fit["pooling"], "c": fit["c"],
+        "n_train": fit["n_train"], "n_dev": len(splits["dev"]), "dev_macro_auroc": fit["dev_macro_auroc"],
+        # the same model's decision tokens on the same dev split: unchanged by a refit
+        "dev_macro_auroc_token": (meta.decision_head or {}).get("dev_macro_auroc_token"),
+        "tried": fit["tried"], "precision": engine.precision, "refit": refit}))
+    cal = calibrate_model(dst, splits["dev"], max_over_asking=args.max_over_asking,
+                          scores=[float(v) for v in fit["dev_scores"]], precision=engine.precision, progress=print)
+    thr, rule = cal["threshold"], cal["rule"]
+    print(f"[refit] saved {dst}: {head_name}'s head, threshold {thr:.3f} ({rule})", flush=True)
+    out = {"folder": str(dst), "threshold": float(thr), "rule": rule}
+    if args.recipe_result:
+        result = json.loads(Path(args.recipe_result).read_text())
+        if result["eval_set"]["fingerprint"] != fingerprint_examples(eval_set):
+            raise SystemExit(f"{args.recipe_result} was measured on another evaluation set "
+                             f"({result['eval_set']['fingerprint'][:12]} vs {fingerprint_examples(eval_set)[:12]})")
+        rcfg = load_config(recipe_path(result["plan"]["recipe"]), result["plan"].get("overrides") or [])
+        sim_fn, _ = similarity_fn_for(rcfg, print)
+        saved_engine = load_engine(str(dst), max_new_tokens=rcfg.eval.max_new_tokens, precision=rcfg.model.precision)
+        t0 = time.time()
+        preds = saved_engine.predict(eval_set, batch_size=rcfg.eval.batch_size,
+                                     progress=lambda d, n: print(f"[eval] {d}/{n}", flush=True) if d == n or d % 64 == 0 else None)
+        old = result["rows"]["joint"]
+        row = {**{k: old.get(k) for k in ("kind", "overrides", "run_id", "steps", "decided_by")},
+               "threshold": float(thr), "eval_seconds": round(time.time() - t0, 1), "head_refit": refit,
+               "decision_head": {k: v for k, v in read_meta(dst).decision_head.items() if k != "tried"},
+               "metrics": row_metrics(eval_set, preds, sim_fn, result["plan"]["grounding_source"]),
+               "scores": [round(float(p.confidence), 6) for p in preds],
+               "decisions": [bool(p.needs_clarification) for p in preds]}
+        derived = {**{k: v for k, v in result.items()
+                      if k not in ("machine", "command", "rows", "uncertainty", "error_analysis")},
+                   "benchmark": result["benchmark"] + "-head-refit", "derived_from": args.recipe_result,
+                   "rows": {"joint": row}}
+        path = write_result(derived["benchmark"], derived, None)
+        out["recipe_result"] = str(path)
+        print(f"[refit] wrote {path} (row joint: the saved model on the recipe's evaluation set)", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
