@@ -87,12 +87,18 @@ def main() -> None:
     dim = len(layers) * engine.model.config.hidden_size  # the engine's features: every layer's last, then mean
     cache = Path(args.features) if args.features else None
     feats = dict(np.load(cache)) if cache and cache.is_file() else {}
-    cached = sorted(feats)  # splits whose states a previous run of the same data and model computed
+    cached = sorted(k for k in feats if not k.endswith("_ids"))  # splits a previous run of the same data computed
+    for name in cached:
+        if f"{name}_ids" not in feats or list(feats[f"{name}_ids"]) != [e.id for e in splits[name]]:
+            why = ("has no turn ids (an older version of this script wrote it)" if f"{name}_ids" not in feats else
+                   f"holds states of other turns than {args.data}'s {name} split (another data job?)")
+            raise SystemExit(f"--features {cache}: its {name} split {why}; delete it or name another file")
 
     def states(name):
         if name not in feats:
             feats[name] = hidden_features(engine, splits[name], layers, cfg.batch_size, name,
                                           lambda m: print(m, flush=True), ("last", "mean"))[1]
+            feats[f"{name}_ids"] = np.array([e.id for e in splits[name]])
             if cache:
                 np.savez(cache, **feats)
         return feats[name]
