@@ -135,12 +135,13 @@ def card_markdown(c: dict) -> str:
     h = c.get("decision_head")
     where = " and ".join({"last": "at the decision position", "mean": "averaged over the prompt"}[p]
                          for p in (h or {}).get("pooling") or ["last"])
+    refit = (h or {}).get("refit")
+    refitted = (f"; refitted on the trained adapter's states {refit['date']} by `{refit['script']}` (git {refit['git']})."
+                if refit else ".")
     lines.append(f"- Decision: a decision head (logistic regression on the hidden states of layers {h['layers']} {where}, "
                  f"C={h['c']:g}, fitted on {h['n_train']} train turns; dev within-source AUROC "
-                 f"{_f(h['dev_macro_auroc'])} vs {_f(h['dev_macro_auroc_token'])} from the decision tokens)"
-                 + (f"; refitted on the trained adapter's states {h['refit']['date']} by `{h['refit']['script']}` "
-                    f"(git {h['refit']['git']})." if h.get("refit") else ".") if h else
-                 "- Decision: from the two decision-token logits.")
+                 f"{_f(h['dev_macro_auroc'])} vs {_f(h['dev_macro_auroc_token'])} from the decision tokens){refitted}"
+                 if h else "- Decision: from the two decision-token logits.")
     if "recipe" not in c:
         return "\n".join(lines + ["", "No benchmark result was given: no metrics on record.", ""])
     code = c.get("code") or {}
