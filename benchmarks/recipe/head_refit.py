@@ -159,7 +159,6 @@ def save_model(args, engine, fit, layers, cfg, splits, eval_set, head_name) -> d
     recipe's rule; with ``--recipe-result``, a copy of that result whose row ``joint`` is this model on the
     same evaluation set (decisions, questions, grounding: the engine's full predict)."""
     from clarifier.engine.builtin import resolve_builtin_uri
-    from clarifier.engine.decision_head import DecisionHead
     from clarifier.engine.inference import read_meta, write_meta
     from clarifier.engine.loading import load_engine
     from clarifier.core.config import load_config
@@ -168,14 +167,13 @@ def save_model(args, engine, fit, layers, cfg, splits, eval_set, head_name) -> d
     from clarifier.recipes.benchmark import row_metrics
     from clarifier.runtime.cluster import git_commit
     from clarifier.train.calibrate import calibrate_model
+    from clarifier.train.decision_head import fitted_head
 
     src = Path(resolve_builtin_uri(args.model).folder if args.model.startswith("builtin:") else args.model)
     dst = Path(args.save_model)
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("MODEL_CARD.md", "card.json"))
-    lr, scaler = fit["model"], fit["scaler"]
-    DecisionHead.from_standardised(layers, lr.coef_[0], float(lr.intercept_[0]), scaler.mean_, scaler.scale_,
-                                   fit["pooling"]).save(dst)
+    fitted_head(fit, layers, fit["pooling"]).save(dst)
     meta = read_meta(dst)
     refit = {"script": "benchmarks/recipe/head_refit.py", "head": head_name, "git": git_commit(),
              "date": time.strftime("%Y-%m-%d")}

@@ -86,12 +86,21 @@ def fit_on_features(x_train, train: list, x_dev, dev: list, c_grid) -> dict:
     return {"model": lr, "scaler": scaler, "c": c, "dev_macro_auroc": macro, "dev_scores": scores, "tried": tried}
 
 
+def fitted_head(fit: dict, layers: list[int], pooling):
+    """The :class:`~clarifier.engine.decision_head.DecisionHead` of a :func:`fit_on_features` result."""
+    from clarifier.engine.decision_head import DecisionHead
+
+    lr, scaler = fit["model"], fit["scaler"]
+    return DecisionHead.from_standardised(layers, lr.coef_[0], float(lr.intercept_[0]), scaler.mean_, scaler.scale_,
+                                          pooling)
+
+
 def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHeadConfig, *, seed: int = 0,
              progress: Callable[[str], None] = print):
     """``(DecisionHead, summary)`` fitted on ``engine``'s hidden states (any engine: a trained model's,
     or a base model's for a head on the untrained base). The summary has the dev scores (``dev_scores``,
     in ``dev_examples`` order) and both decisions' dev within-source AUROC."""
-    from clarifier.engine.decision_head import DecisionHead, check_pooling, resolve_layers
+    from clarifier.engine.decision_head import check_pooling, resolve_layers
 
     t0 = time.time()
     train = (list(train_examples) if cfg.max_per_source is None
@@ -108,9 +117,7 @@ def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHead
     dev_gold, dev_sources = [e.needs_clarification for e in dev_examples], [source_of(e) for e in dev_examples]
     fit = fit_on_features(x_train, train, x_dev, dev_examples, cfg.c_grid)
     macro, c, tried, scores = fit["dev_macro_auroc"], fit["c"], fit["tried"], fit["dev_scores"]
-    lr, scaler = fit["model"], fit["scaler"]
-    head = DecisionHead.from_standardised(layers, lr.coef_[0], float(lr.intercept_[0]), scaler.mean_, scaler.scale_,
-                                          pooling)
+    head = fitted_head(fit, layers, pooling)
     token_macro = within_source_summary(dev_gold, dev_token, dev_sources)["macro_auroc"]
     summary = {"layers": layers, "layer_fractions": list(cfg.layers), "pooling": pooling, "c": c, "n_train": len(train),
                "n_dev": len(dev_examples), "dev_macro_auroc": macro, "dev_macro_auroc_token": token_macro,
