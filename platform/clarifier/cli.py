@@ -376,7 +376,8 @@ def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
 
 @app.command("eval")
 def eval_cmd(model: str = typer.Option(..., help="models:/name@alias, runs:/<id>/adapter, s3:// prefix or folder."),
-             data: Optional[str] = typer.Option(None, help="Data-job output folder or evaluation-set JSONL (default data.output)."),
+             data: Optional[str] = typer.Option(None, help="Data-job output folder, evaluation-set JSONL (file, folder, "
+                                                "s3://) or builtin:probes: hand-written behaviour checks (default data.output)."),
              run_id: Optional[str] = typer.Option(None, help="Log the report to this MLflow run."),
              out: Optional[Path] = typer.Option(None, help="Folder for report.json / report.md / plots."),
              compare: Optional[list[str]] = typer.Option(

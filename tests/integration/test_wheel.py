@@ -1,5 +1,5 @@
-"""The package works when installed as a wheel: recipes, plans, the quickstart config and the serving
-playground page are package data, and the model URI schemes are registered entry points (nothing is
+"""The package works when installed as a wheel: recipes, plans, the quickstart config, the built-in evaluation
+sets and the serving playground page are package data, and the model URI schemes are registered entry points (nothing is
 found through the checkout)."""
 
 import subprocess
@@ -21,8 +21,8 @@ def test_wheel_ships_package_data_and_entry_points(tmp_path):
         names = set(z.namelist())
         entry_points = next(z.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     shipped = {p.relative_to(ROOT / "platform").as_posix()
-               for pattern in ("*.yaml", "*.html") for p in (ROOT / "platform" / "clarifier").rglob(pattern)}
+               for pattern in ("*.yaml", "*.html", "*.jsonl") for p in (ROOT / "platform" / "clarifier").rglob(pattern)}
     assert shipped and shipped <= names, f"data files missing from the wheel: {sorted(shipped - names)}"
-    assert {"clarifier/quickstart.yaml", "clarifier/serving/playground.html"} <= shipped
+    assert {"clarifier/quickstart.yaml", "clarifier/serving/playground.html", "clarifier/evaluation/sets/probes.jsonl"} <= shipped
     assert "[clarifier.model_uri_schemes]" in entry_points
     assert "models = clarifier.registry.registry:resolve_registry_uri" in entry_points

@@ -420,3 +420,24 @@ def test_paired_bootstrap_rejects_bad_input():
         paired_bootstrap([True, False], {"noise": ([True], [0.1, 0.2])})
     with pytest.raises(ValueError, match="reference 'joint'"):
         paired_bootstrap([True, False], {"noise": ([True, False], [0.1, 0.2])}, reference="joint")
+
+
+def test_decisions_by_source_per_source_counts_and_in_evaluate_predictions():
+    from clarifier.core.metrics import decisions_by_source
+
+    gold = [True, False, False, True, False, False]
+    decided = [True, True, True, False, False, False]
+    sources = ["a", "a", "a", "b", "b", "b"]
+    by = decisions_by_source(gold, decided, sources)
+    assert sorted(by) == ["a", "b"]
+    assert (by["a"]["tp"], by["a"]["fp"], by["a"]["over_asking_rate"]) == (1, 2, 1.0)   # asks on every clear turn of a
+    assert (by["b"]["fn"], by["b"]["over_asking_rate"], by["b"]["recall"]) == (1, 0.0, 0.0)
+    with pytest.raises(ValueError):
+        decisions_by_source(gold, decided[:-1], sources)
+    examples = [Example(id=f"e{i}", query="q", needs_clarification=g, clarifying_question="which?" if g else None,
+                        meta={"source": s}) for i, (g, s) in enumerate(zip(gold, sources))]
+    m = evaluate_predictions(examples, [Prediction(d, 0.9 if d else 0.1) for d in decided])
+    assert m["decision_by_source"] == by
+    # with a threshold the decisions are the thresholded scores, per source too
+    m = evaluate_predictions(examples, [Prediction(d, 0.9 if d else 0.1) for d in decided], threshold=0.95)
+    assert all(v["tp"] + v["fp"] == 0 for v in m["decision_by_source"].values())

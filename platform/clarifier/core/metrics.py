@@ -335,6 +335,22 @@ def within_source_summary(gold: Sequence[bool], scores: Sequence[float], sources
             "sources_scored": sorted(s for s, v in by.items() if v["auroc"] is not None)}
 
 
+def decisions_by_source(gold: Sequence[bool], decided: Sequence[bool], sources: Sequence[str]) -> dict[str, dict]:
+    """:func:`decision_metrics` of the decisions as made (one threshold for all) inside each source.
+
+    Where :func:`within_source_summary` asks how well a model *ranks* inside a source, this says
+    what its operating point does there: a source with an over-asking of 0.6 is one whose clear
+    turns the model mostly asks about, whatever its mixed-set figure.
+    """
+    _check_same_length(gold, decided, "gold", "decided")
+    _check_same_length(gold, sources, "gold", "sources")
+    out: dict[str, dict] = {}
+    for src in sorted(set(sources)):
+        idx = [i for i, s in enumerate(sources) if s == src]
+        out[src] = decision_metrics([gold[i] for i in idx], [decided[i] for i in idx])
+    return out
+
+
 # ---- question --------------------------------------------------------------------------------
 
 
@@ -430,7 +446,8 @@ def evaluate_predictions(
     turns is under ``grounding``, of passages under ``grounding_passages``.
 
     ``within_source`` (:func:`within_source_summary`, sources by ``core.schema.source_of``) holds the
-    figures a model cannot reach by telling datasets apart: report them first on a mixed set.
+    figures a model cannot reach by telling datasets apart: report them first on a mixed set;
+    ``decision_by_source`` (:func:`decisions_by_source`) what the decisions as made do inside each.
 
     Raises ValueError when ``examples`` and ``preds`` differ in length.
     """
@@ -459,12 +476,15 @@ def evaluate_predictions(
     n_valid = sum(1 for p in preds if p.valid)
     from clarifier.core.schema import source_of
 
+    sources = [source_of(e) for e in examples]
+
     return {
         "n": n,
         "threshold": threshold,
         "decision": decision_metrics(gold, decided),
         "auroc": auroc(gold, scores),
-        "within_source": within_source_summary(gold, scores, [source_of(e) for e in examples]),
+        "within_source": within_source_summary(gold, scores, sources),
+        "decision_by_source": decisions_by_source(gold, decided, sources),
         "recall_at_over_asking": {f"{b:g}": recall_at_over_asking(gold, scores, b) for b in OVER_ASKING_BUDGETS},
         "ece": expected_calibration_error(gold, scores),
         "question": question,

@@ -34,19 +34,52 @@ def fingerprint_examples(examples: list[Example]) -> str:
     return h.hexdigest()
 
 
+MAX_MISTAKES = 50  # wrong decisions kept in a report (all are counted)
+BUILTIN_SETS_DIR = Path(__file__).resolve().parent / "sets"
+
+
+def builtin_eval_sets() -> list[str]:
+    """Evaluation sets shipped with the package (``builtin:<name>``), e.g. ``probes``."""
+    return sorted(p.stem for p in BUILTIN_SETS_DIR.glob("*.jsonl"))
+
+
+def resolve_eval_set(data: str) -> str:
+    """``builtin:<name>`` -> the shipped JSONL file; any other location is returned unchanged."""
+    if not data.startswith("builtin:"):
+        return data
+    name = data.split(":", 1)[1].strip("/")
+    path = BUILTIN_SETS_DIR / f"{name}.jsonl"
+    if not path.is_file():
+        raise ValueError(f"no built-in evaluation set {name!r} (shipped: {', '.join(builtin_eval_sets()) or 'none'}); "
+                         "a data-job output folder or an evaluation-set JSONL file, folder or s3:// prefix works too")
+    return str(path)
+
+
+def mistaken_decisions(examples: list[Example], preds: list) -> list[dict]:
+    """The examples whose decision was wrong, in order: id, source, query, gold, confidence, the
+    generated question and ``meta.why`` (why the gold label holds, where the set says)."""
+    from clarifier.core.schema import source_of
+
+    return [{"id": e.id, "source": source_of(e), "query": e.query, "gold": e.needs_clarification,
+             "confidence": round(float(p.confidence), 4), "question": p.question, "why": e.meta.get("why")}
+            for e, p in zip(examples, preds) if bool(p.needs_clarification) != bool(e.needs_clarification)]
+
+
 def load_eval_data(data: str, split: str = "test", *, max_examples: int | None = None, report=print) -> EvalData:
-    """A data-job output folder (its ``split``) or an evaluation-set JSONL file/folder, with its identity.
+    """A data-job output folder (its ``split``), an evaluation-set JSONL file/folder or a built-in
+    set (``builtin:probes``, :func:`resolve_eval_set`), with its identity.
 
     ``max_examples`` keeps the first N (the fingerprint is of what is evaluated).
     """
     from clarifier.runtime import storage
     from clarifier.data.outputs import load_split
 
-    if storage.exists(storage.join(data, "manifest.json")):
-        examples, skipped, name = load_split(data, split), [], f"{data}#{split}"
+    path = resolve_eval_set(data)
+    if storage.exists(storage.join(path, "manifest.json")):
+        examples, skipped, name = load_split(path, split), [], f"{path}#{split}"
     else:
-        examples, skipped = read_eval_jsonl(data, report=report)
-        name = data
+        examples, skipped = read_eval_jsonl(path, report=report)
+        name = data  # builtin:<name> stays the set's name; its file is in the package
     if max_examples:
         examples = examples[:max_examples]
     return EvalData(examples, skipped, name, fingerprint_examples(examples))
@@ -143,7 +176,7 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
     from clarifier.evaluation.baselines import baseline_predictions
     from clarifier.core.metrics import evaluate_predictions
-    from clarifier.evaluation.report import format_table, write_report
+    from clarifier.evaluation.report import format_source_table, format_table, write_report
 
     data = data or cfg.data.output
     if not data:
@@ -180,6 +213,7 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     preds = _model_predictions(cfg, spec, resolved, examples, progress, bar("model"))
     secs = time.time() - t0
     models: dict[str, dict] = {"model": row(preds)}
+    mistakes = mistaken_decisions(examples, preds)
     samples = [{"id": e.id, "query": e.query, "gold": e.needs_clarification, "gold_question": e.clarifying_question,
                 "pred": p.needs_clarification, "confidence": round(p.confidence, 4), "question": p.question,
                 "grounding_turns": list(p.grounding_turns), "valid": p.valid}
@@ -203,13 +237,16 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
         "notes": "base_model is the untrained base model with the same prompt, zero-shot (clarify iff "
                  "P(clarify) > P(answer)), decision only (no decoding). lexical is the rule-based heuristic "
                  "of clarifier.evaluation.baselines (pronoun/short query + 2+ candidate entities in the history).",
-        "models": models, "samples": samples,
+        "models": models, "samples": samples, "n_mistakes": len(mistakes), "mistakes": mistakes[:MAX_MISTAKES],
     }
     out = Path(out_dir or tempfile.mkdtemp(prefix="clarifier-eval-"))
     paths = write_report(report, out)
     (out / "samples.json").write_text(json.dumps(samples, indent=2))
     if table:
         progress(format_table(report))
+        by_source = format_source_table(report)
+        if by_source:
+            progress("By source (model):\n" + by_source)
     if run_id:
         _log_to_mlflow(run_id, report, out, tracking_uri)
     report["paths"] = {k: str(v) for k, v in paths.items()}

@@ -88,7 +88,10 @@ def _rows(report: dict) -> tuple[list[str], list[list[str]]]:
 
 def format_table(report: dict) -> str:
     """The per-model metrics table as aligned plain text (one row per model/baseline)."""
-    header, rows = _rows(report)
+    return _aligned(*_rows(report))
+
+
+def _aligned(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
@@ -96,16 +99,62 @@ def format_table(report: dict) -> str:
             c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
         ).rstrip()
 
-    out = [line(header), "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in rows]
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+
+
+def _md(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
     return "\n".join(out)
 
 
 def _markdown_table(report: dict) -> str:
-    header, rows = _rows(report)
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
-    out += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
-    return "\n".join(out)
+    return _md(*_rows(report))
+
+
+def source_rows(report: dict, model: str = "model") -> tuple[list[str], list[list[str]]] | None:
+    """One row per source of the evaluation set for ``model``: its decisions at the model's own
+    threshold (asked, accuracy, over-asking, recall) and its ranking inside the source (AUROC,
+    recall at the over-asking budget), then their means over the sources; None with one source."""
+    metrics = (_models(report).get(model) or {}).get("metrics") or {}
+    ws, dec = metrics.get("within_source") or {}, metrics.get("decision_by_source") or {}
+    by = ws.get("by_source") or {}
+    if len(by) < 2:
+        return None
+    budget = f"R@{ws.get('budget', 0.1) * 100:g}%OA"
+    header = ["Source", "n", "Clarify", "Asked", "Acc", "Over-ask", "Recall", "AUROC", budget]
+    rows = []
+    for src, w in by.items():
+        d = dec.get(src) or {}
+        asked = (d.get("tp", 0) + d.get("fp", 0)) if d else None
+        clear_n, clarify_n = w["n"] - w["clarify"], w["clarify"]
+        rows.append([src, str(w["n"]), str(clarify_n), "n/a" if asked is None else str(asked),
+                     fmt_metric(d.get("accuracy")),
+                     fmt_metric(d.get("over_asking_rate") if clear_n else None),
+                     fmt_metric(d.get("recall") if clarify_n else None),
+                     fmt_metric(w.get("auroc")), fmt_metric(w.get("recall_at_budget"))])
+    rows.append([f"mean of {len(ws.get('sources_scored') or [])} sources with both classes", "", "", "", "", "", "",
+                 fmt_metric(ws.get("macro_auroc")), fmt_metric(ws.get("macro_recall_at_budget"))])
+    return header, rows
+
+
+def format_source_table(report: dict, model: str = "model") -> str:
+    """:func:`source_rows` as aligned plain text ("" for a set with one source)."""
+    rows = source_rows(report, model)
+    return _aligned(*rows) if rows else ""
+
+
+def _mistakes_markdown(report: dict) -> list[str]:
+    wrong = report.get("mistakes")
+    if not wrong:
+        return []
+    out = [f"## Wrong decisions (model; {len(wrong)} shown of {report.get('n_mistakes', len(wrong))})", "",
+           "| id | source | query | gold | confidence | why the gold label |", "|---|---|---|---|---:|---|"]
+    for m in wrong:
+        cells = [m["id"], m["source"], m["query"], "clarify" if m["gold"] else "answer", f"{m['confidence']:.3f}",
+                 m.get("why") or ""]
+        out.append("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return out + [""]
 
 
 def _skipped_line(report: dict) -> str:
@@ -219,7 +268,7 @@ def _plot(report: dict, out_dir: Path) -> dict[str, Path]:
 
 def _markdown(report: dict, plots: dict[str, Path]) -> str:
     out = ["# Clarifier evaluation report", ""]
-    info = {k: v for k, v in report.items() if k != "models"}
+    info = {k: v for k, v in report.items() if k not in ("models", "mistakes")}
     for k, v in info.items():
         if isinstance(v, (dict, list)):
             v = json.dumps(v, default=_default)
@@ -227,6 +276,13 @@ def _markdown(report: dict, plots: dict[str, Path]) -> str:
     if info:
         out.append("")
     out += [_markdown_table(report), "", _skipped_line(report), ""]
+    by_source = source_rows(report)
+    if by_source:
+        out += ["## By source (model)", "",
+                "Decisions at the model's threshold inside each source; AUROC and recall at the over-asking "
+                "budget rank inside each source (figures a model cannot reach by telling sources apart).", "",
+                _md(*by_source), ""]
+    out += _mistakes_markdown(report)
     if "skipped_lines" in report:
         out += [f"Malformed evaluation-set lines skipped: {report['skipped_lines']}"
                 + (" (see `skipped` above for source, line and reason)." if report["skipped_lines"] else "."), ""]
