@@ -96,11 +96,22 @@ def test_generator_sources_write_conversation_logs_and_check_their_options(tmp_p
     lines = [json.loads(x) for f in sorted((tmp_path / "in" / "synthetic_rag").glob("*.jsonl")) for x in f.read_text().splitlines()]
     assert sorted(c["conversation_id"] for c in lines) == sorted(c["conversation_id"] for c in generate_conversations(6, 2))
     assert any("6 synthetic_rag conversations" in m for m in msgs)
+    long = build_config({"data": {"input": str(tmp_path / "long"), "sources": [
+        {"importer": "synthetic_rag", "options": {"conversations": 5, "seed": 1, "long_history_share": 1.0}}]}})
+    rep = materialize_sources(long.data, lambda m: None)
+    assert rep["synthetic_rag"]["long_history_share"] == 1.0
+    logs = [json.loads(x) for f in sorted((tmp_path / "long" / "synthetic_rag").glob("*.jsonl")) for x in f.read_text().splitlines()]
+    assert len(logs) == 5 and all(c["meta"]["long_history"] for c in logs)
     for bad, match in [({"options": {"conversations": 2, "shards": 3}}, r"unknown synthetic_rag options \['shards'\]"),
+                       ({"options": {"conversations": 2, "long_history_share": 2}}, r"synthetic_rag\]: long_history_share"),
                        ({"max_examples": 5}, "take options.conversations, not max_examples")]:
         cfg = build_config({"data": {"input": str(tmp_path / "other"), "sources": [{"importer": "synthetic_rag", **bad}]}})
         with pytest.raises(ValueError, match=match):
             materialize_sources(cfg.data, lambda m: None)
+    cfg = build_config({"data": {"input": str(tmp_path / "syn"), "sources": [
+        {"importer": "synthetic", "options": {"conversations": 2, "long_history_share": 0.5}}]}})
+    with pytest.raises(ValueError, match=r"unknown synthetic options \['long_history_share'\] \(known: conversations, seed\)"):
+        materialize_sources(cfg.data, lambda m: None)
 
 
 def test_source_of():

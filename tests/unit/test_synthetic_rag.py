@@ -244,3 +244,21 @@ def test_write_logs_shards_hold_every_conversation_once(tmp_path: Path):
     got = [json.loads(x)["conversation_id"] for u in uris for x in Path(u).read_text().splitlines()]
     assert sorted(got) == sorted(c["conversation_id"] for c in generate_conversations(7, 2))
     assert CLEAR_KINDS and all(k.startswith("rag_") for k in KINDS)
+
+
+def test_long_history_share_adds_long_conversations_of_both_labels_and_keeps_the_default_logs(convs):
+    assert generate_conversations(N, SEED, long_history_share=0.0) == convs  # 0: not one rng draw more
+    with pytest.raises(ValueError, match="long_history_share must be between 0 and 1"):
+        generate_conversations(3, long_history_share=1.5)
+    mixed = generate_conversations(200, seed=1, long_history_share=0.5)
+    flagged = [c for c in mixed if c["meta"].get("long_history")]
+    assert 0.35 < len(flagged) / len(mixed) < 0.65
+    final = [ConversationLog.model_validate(c).explode()[-1] for c in generate_conversations(200, 1, 1.0)]
+    long = [e for e in final if len(e.history) >= 8]
+    assert len(long) / len(final) > 0.9
+    assert max(len(e.history) for e in final) >= 14
+    clarify = sum(e.needs_clarification for e in long)
+    assert 0.4 < clarify / len(long) < 0.6  # both labels after a long conversation: length says nothing
+    # the answers in a long history carry the readings' notes: as long as real assistants' answers
+    chars = statistics.mean(sum(len(t.text) for t in e.history) for e in long)
+    assert chars > 500, chars

@@ -14,7 +14,8 @@ A recipe names its training data as a list of sources -- public datasets through
 The generators (``GENERATORS``: ``synthetic`` -- :mod:`clarifier.data.synthetic`, ambiguity from the
 history; ``synthetic_rag`` -- :mod:`clarifier.data.synthetic_rag`, ambiguity in the retrieved passages)
 take ``options.conversations`` (default ``data.synthetic_conversations``) and ``options.seed``
-(default ``data.seed``) and need no ``src``.
+(default ``data.seed``) and need no ``src``; ``synthetic_rag`` also ``options.long_history_share`` (the share
+of conversations with 8-16 turns before the final query; default 0).
 
 ``src: dataset:<name>`` is found in ``data.mirror`` or the download cache (``clarifier data fetch
 <name>``; see :mod:`clarifier.data.datasets`), verified against the registered sha256.
@@ -46,6 +47,8 @@ SYNTHETIC_RAG = "synthetic_rag"
 # data job reads a generator's output as ConversationLogs). `clarifier data synth --generator synthetic_chat`.
 GENERATORS = {SYNTHETIC: "clarifier.data.synthetic", SYNTHETIC_RAG: "clarifier.data.synthetic_rag"}
 GENERATOR_OPTIONS = ("conversations", "seed")
+# Options a generator's write_logs takes besides those two (passed through as keyword arguments).
+GENERATOR_EXTRA_OPTIONS = {SYNTHETIC: (), SYNTHETIC_RAG: ("long_history_share",)}
 
 
 def _order_key(seed: int, conversation_id: str) -> str:
@@ -157,15 +160,20 @@ def generate_source(src: SourceConfig, d: DataConfig) -> dict:
     name = src.source_name
     if src.max_examples is not None:
         raise ValueError(f"data.sources[{name}]: {src.importer} sources take options.conversations, not max_examples")
-    unknown = set(src.options) - set(GENERATOR_OPTIONS)
+    known = (*GENERATOR_OPTIONS, *GENERATOR_EXTRA_OPTIONS.get(src.importer, ()))
+    unknown = set(src.options) - set(known)
     if unknown:
         raise ValueError(f"data.sources[{name}]: unknown {src.importer} options {sorted(unknown)} "
-                         f"(known: {', '.join(GENERATOR_OPTIONS)})")
+                         f"(known: {', '.join(known)})")
     n = int(src.options.get("conversations", d.synthetic_conversations))
     seed = int(src.options.get("seed", d.seed))
+    extra = {k: src.options[k] for k in GENERATOR_EXTRA_OPTIONS.get(src.importer, ()) if k in src.options}
     write_logs = importlib.import_module(GENERATORS[src.importer]).write_logs
-    files = write_logs(storage.join(d.input, name), n, seed=seed)
-    return {"importer": src.importer, "conversations": n, "seed": seed, "files": files}
+    try:
+        files = write_logs(storage.join(d.input, name), n, seed=seed, **extra)
+    except ValueError as exc:
+        raise ValueError(f"data.sources[{name}]: {exc}") from None
+    return {"importer": src.importer, "conversations": n, "seed": seed, **extra, "files": files}
 
 
 def materialize_sources(d: DataConfig, progress: Callable[[str], None] = print) -> dict:

@@ -38,7 +38,9 @@ passage that carries a reading is among the first 3 (the prompt shows ``max_pass
 clipped to ``max_passage_chars=300``); distractors (domain notices, or passages of another question
 family of the domain) fill the other places; the order is shuffled. History: 0-6 turns before the
 final query (optional system turn, opener, fillers, an answered explicit question or an earlier
-ambiguous/resolved exchange of another family, the turns naming candidates).
+ambiguous/resolved exchange of another family, the turns naming candidates). ``long_history_share``
+(default 0, which leaves every log above unchanged) makes that share of conversations 8-16 turns long
+before the final query, both labels alike, the answered questions carrying the readings' notes.
 
 Combinatorics: 14 domains, 7 question families (3-4 per domain), 176 readings (4 per family and
 domain, 3 values each, 0-2 notes), so 264 candidate pairs and 176 triples; per family 7-8 vague,
@@ -227,6 +229,7 @@ class _Conv:
     def __init__(self, rng: random.Random, c: Content, d: Domain):
         self.rng, self.c, self.d, self.g = rng, c, d, c.generic
         self.turns: list[dict] = []
+        self.long = False  # a long-history conversation (long_history_share)
 
     def add(self, role: str, text: str, **extra) -> int:
         self.turns.append({"role": role, "text": text, **extra})
@@ -381,7 +384,10 @@ def _prior_qa(cv: _Conv, fam: str) -> bool:
     x = r.choice(d.readings[f2])
     v = r.choice(x.values)
     cv.add("user", cv.surface(_fill(r.choice(cv.c.families[f2].explicit), item=x.item, aspect=cv.c.aspect(f2, x)), True))
-    cv.add("assistant", cv.answer(f2, x, v))
+    answer = cv.answer(f2, x, v)
+    if cv.long:  # answers as long as real assistants' (the reading's notes, a closing sentence)
+        answer = " ".join([answer, *x.notes] + ([r.choice(cv.g["tails"])] if r.random() < 0.5 else []))
+    cv.add("assistant", answer)
     return True
 
 
@@ -390,6 +396,10 @@ def _prior_qa(cv: _Conv, fam: str) -> bool:
 # history-length distributions of the two labels then match (tests/unit/test_synthetic_rag.py).
 _TARGETS = (0, 0, 1, 2, 2, 3, 4, 4, 5, 6)
 _TARGETS_CLEAR = (0, 0, 0, 0, 1, 2, 2, 3, 4, 4, 5, 6)
+# long_history_share: conversations of 8-16 turns before the final query, both labels alike, whose answered
+# questions carry the reading's notes (real assistants' answers are long): a model must not learn "a long
+# conversation needs a question" (benchmarks/recipe/probes.py measures it).
+_TARGETS_LONG = (8, 9, 10, 11, 12, 13, 14, 15, 16)
 
 
 def _history(cv: _Conv, fam: str, mention: list[Reading], assistant_offers: bool, targets=_TARGETS) -> int:
@@ -410,7 +420,7 @@ def _history(cv: _Conv, fam: str, mention: list[Reading], assistant_offers: bool
             cv.add("assistant", r.choice(g["greetings"]))
         elif room >= 4 and u < 0.55 and labelled == 0 and _prior_exchange(cv, fam):
             labelled += 2
-        elif u < 0.75 and _prior_qa(cv, fam):
+        elif u < (0.9 if cv.long else 0.75) and _prior_qa(cv, fam):
             pass
         else:
             cv.add("user", r.choice((*cv.d.fillers, *g["fillers"])))
@@ -429,7 +439,8 @@ def _history(cv: _Conv, fam: str, mention: list[Reading], assistant_offers: bool
     return labelled
 
 
-def _conversation(rng: random.Random, conv_id: str, seed: int, counts: dict[str, list[int]]) -> dict:
+def _conversation(rng: random.Random, conv_id: str, seed: int, counts: dict[str, list[int]],
+                  long_history_share: float = 0.0) -> dict:
     c = content()
     d = rng.choice(c.domains)
     bal = counts.setdefault(d.name, [0, 0])  # [clarify, clear] labelled turns so far
@@ -439,6 +450,7 @@ def _conversation(rng: random.Random, conv_id: str, seed: int, counts: dict[str,
     fam = rng.choice(list(d.readings))
     pool = list(d.readings[fam])
     cv = _Conv(rng, c, d)
+    cv.long = long_history_share > 0 and rng.random() < long_history_share  # no draw at 0: default logs unchanged
     u = rng.random()
 
     # who the candidates are, what the history names, which readings the passages carry, the query style
@@ -471,7 +483,7 @@ def _conversation(rng: random.Random, conv_id: str, seed: int, counts: dict[str,
             style = "explicit"
         rng.shuffle(carried)
 
-    targets = _TARGETS_CLEAR if not clarify and not mention else _TARGETS
+    targets = _TARGETS_LONG if cv.long else _TARGETS_CLEAR if not clarify and not mention else _TARGETS
     labelled = _history(cv, fam, mention, assistant_offers=rng.random() < 0.35, targets=targets)
     values = [(x, rng.choice(x.values)) for x in carried]
     single = not clarify and len(carried) == 1  # one reading: often a second document or a distractor
@@ -482,21 +494,25 @@ def _conversation(rng: random.Random, conv_id: str, seed: int, counts: dict[str,
     _labelled(cv, text, kind, fam, cands, ps, items, clarify, q)
     bal[0] += (1 if clarify else 0) + labelled // 2
     bal[1] += (0 if clarify else 1) + labelled // 2
-    return {"conversation_id": conv_id, "domain": d.name, "turns": cv.turns, "meta": {"source": SOURCE, "seed": seed}}
+    meta = {"source": SOURCE, "seed": seed, **({"long_history": True} if cv.long else {})}
+    return {"conversation_id": conv_id, "domain": d.name, "turns": cv.turns, "meta": meta}
 
 
-def generate_conversations(n: int, seed: int = 0) -> list[dict]:
-    """``n`` synthetic RAG ConversationLog dicts, deterministic for ``seed``."""
+def generate_conversations(n: int, seed: int = 0, long_history_share: float = 0.0) -> list[dict]:
+    """``n`` synthetic RAG ConversationLog dicts, deterministic for ``seed``; ``long_history_share`` of them
+    with 8-16 turns before the final query (``meta.long_history``; 0 gives the default logs unchanged)."""
+    if not 0.0 <= long_history_share <= 1.0:
+        raise ValueError(f"long_history_share must be between 0 and 1; got {long_history_share!r}")
     rng = random.Random(seed)
     counts: dict[str, list[int]] = {}
-    return [_conversation(rng, f"rag-{seed}-{i:05d}", seed, counts) for i in range(n)]
+    return [_conversation(rng, f"rag-{seed}-{i:05d}", seed, counts, long_history_share) for i in range(n)]
 
 
-def write_logs(out_uri: str, n: int, seed: int = 0, shards: int = 4) -> list[str]:
+def write_logs(out_uri: str, n: int, seed: int = 0, shards: int = 4, long_history_share: float = 0.0) -> list[str]:
     """Write ``n`` conversations as JSONL shards ``conversations-<k>.jsonl`` under ``out_uri``."""
     from clarifier.runtime.storage import join, write_text
 
-    convs = generate_conversations(n, seed)
+    convs = generate_conversations(n, seed, long_history_share)
     k = max(1, min(shards, n))
     uris = [join(out_uri, f"conversations-{s:05d}.jsonl") for s in range(k)]
     for s, uri in enumerate(uris):
