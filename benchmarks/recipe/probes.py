@@ -34,9 +34,9 @@ SWEEP_CAPABILITY = "probe:long_rag"
 SWEEP_K = (0, 2, 4, 6, 8)  # every long_rag case has at least 8 history turns: each point averages the same cases
 
 
-def capability_table(report: dict) -> dict:
-    """Per capability: n, clarify, asked, accuracy, over-asking, recall at the model's threshold, AUROC inside."""
-    m = report["models"]["model"]["metrics"]
+def capability_table(m: dict) -> dict:
+    """Per capability (from one row's metrics): n, clarify, asked, accuracy, over-asking, recall at the row's
+    threshold, AUROC inside."""
     out = {}
     for src, w in m["within_source"]["by_source"].items():
         d = m["decision_by_source"][src]
@@ -127,15 +127,14 @@ def main() -> None:
         metrics = rep["models"]["model"]["metrics"]
         sweeps[name] = history_sweep(uri, ed.examples)
         out["models"][name] = {
-            "model_uri": uri, "threshold": rep["threshold"], "by_capability": capability_table(rep),
+            "model_uri": uri, "threshold": rep["threshold"], "by_capability": capability_table(metrics),
             "overall": {"auroc": metrics["auroc"], "accuracy": metrics["decision"]["accuracy"],
                         "over_asking": metrics["decision"]["over_asking_rate"], "recall": metrics["decision"]["recall"],
                         "validity": metrics["validity"], "macro_auroc": metrics["within_source"]["macro_auroc"]},
             "mistakes": rep["mistakes"], "history_sweep": sweeps[name]}
         if name == "model":
-            out["baselines"] = {b: {"by_capability_asked": {s: d["tp"] + d["fp"] for s, d in
-                                                            r["metrics"]["decision_by_source"].items()},
-                                    "auroc": r["metrics"]["auroc"]}
+            out["baselines"] = {b: {"by_capability": capability_table(r["metrics"]), "auroc": r["metrics"]["auroc"],
+                                    "accuracy": r["metrics"]["decision"]["accuracy"]}
                                 for b, r in rep["models"].items() if b != "model"}
     plot = Path(args.out).with_name(Path(args.out).stem + "-history.png") if args.out else RESULTS / "recipe-probes-history.png"
     plot_sweep(sweeps, plot)
