@@ -1,7 +1,7 @@
 """Behaviour probes: a model on the hand-written checks shipped as ``builtin:probes``, per capability. JSON + plot.
 
     .venv/bin/python benchmarks/recipe/probes.py                          # the built-in model
-    .venv/bin/python benchmarks/recipe/probes.py --model DIR --compare v3=OTHER_DIR
+    .venv/bin/python benchmarks/recipe/probes.py --model DIR --name mine --compare v3=OTHER_DIR
 
 ``builtin:probes`` (``clarifier/evaluation/sets/probes.jsonl``) holds ~90 hand-written turns in domains and
 phrasings that none of the training sources use, grouped by the capability they check (``meta.source``):
@@ -101,6 +101,7 @@ def plot_sweep(sweeps: dict[str, dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="builtin:clarifier-smollm2-135m")
+    ap.add_argument("--name", default="shipped", help="the --model's name in the result and the plot")
     ap.add_argument("--compare", action="append", default=[], help="NAME=URI: another model, measured the same way")
     ap.add_argument("--data", default="builtin:probes")
     ap.add_argument("--out", default=None, help="result JSON (default results/recipe-probes.json)")
@@ -109,7 +110,7 @@ def main() -> None:
     from clarifier.core.config import ClarifierConfig
     from clarifier.evaluation.evaluate import evaluate, load_eval_data
 
-    models = {"model": args.model}
+    models = {args.name: args.model}
     for item in args.compare:
         name, sep, uri = item.partition("=")
         if not sep:
@@ -132,7 +133,7 @@ def main() -> None:
                         "over_asking": metrics["decision"]["over_asking_rate"], "recall": metrics["decision"]["recall"],
                         "validity": metrics["validity"], "macro_auroc": metrics["within_source"]["macro_auroc"]},
             "mistakes": rep["mistakes"], "history_sweep": sweeps[name]}
-        if name == "model":
+        if name == args.name:
             out["baselines"] = {b: {"by_capability": capability_table(r["metrics"]), "auroc": r["metrics"]["auroc"],
                                     "accuracy": r["metrics"]["decision"]["accuracy"]}
                                 for b, r in rep["models"].items() if b != "model"}

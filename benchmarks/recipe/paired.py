@@ -1,0 +1,79 @@
+"""Two or more trained models on the same split, paired: within-source AUROC and its bootstrap interval. JSON out.
+
+    .venv/bin/python benchmarks/recipe/paired.py --data .clarifier/recipes/joint-public/data \
+        --model shipped=builtin:clarifier-smollm2-135m --model retrained=/path/to/model_dir
+
+Answers "is this model the same as that one, or better?" the way the recipe counts a change: each model's
+P(clarify) on every turn of the split (decision only: the engine's ``score``, with the model's own decision
+head), the headline figures inside each source (AUROC, recall and F1 at 10% over-asking, and their means), and
+the paired bootstrap of the difference of mean within-source AUROC against the first model (1,000 resamples
+of the split's turns; a difference counts when its interval leaves out 0). Used to check that
+``clarifier train --recipe joint-public`` reproduces the shipped model (``results/recipe-retrain.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import write_result  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", required=True, help="a data-job output folder")
+    ap.add_argument("--split", default="test")
+    ap.add_argument("--model", action="append", required=True, help="NAME=URI (repeatable; the first is the reference)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="result JSON (default results/recipe-paired.json)")
+    args = ap.parse_args()
+    models = {}
+    for item in args.model:
+        name, sep, uri = item.partition("=")
+        if not sep or not name or not uri:
+            raise SystemExit(f"--model {item!r}: expected NAME=URI")
+        models[name] = uri
+    if len(models) < 2:
+        raise SystemExit("--model: name at least two models to compare")
+
+    from clarifier.core.metrics import paired_bootstrap, within_source_summary
+    from clarifier.core.schema import source_of
+    from clarifier.data.outputs import load_split
+    from clarifier.engine.inference import read_meta
+    from clarifier.engine.loading import load_engine, resolve_model
+    from clarifier.evaluation.evaluate import fingerprint_examples
+
+    t0 = time.time()
+    examples = load_split(args.data, args.split)
+    gold, sources = [e.needs_clarification for e in examples], [source_of(e) for e in examples]
+    print(f"[paired] {len(examples)} {args.split} turns of {args.data} ({sum(gold)} need a question)", flush=True)
+    systems, rows = {}, {}
+    for name, uri in models.items():
+        engine = load_engine(uri)
+        scores = engine.score_examples(examples, batch_size=8, progress=lambda d, n: print(
+            f"[paired] {name}: {d}/{n}", flush=True) if d == n or d % 256 == 0 else None)
+        thr = engine.threshold
+        systems[name] = ([s >= thr for s in scores], scores)
+        summary = within_source_summary(gold, scores, sources)
+        meta = read_meta(resolve_model(uri).folder)
+        rows[name] = {"model_uri": uri, "threshold": thr, "decision_head": bool(meta.decision_head),
+                      "within_source": summary}
+        print(f"[paired] {name}: mean within-source AUROC {summary['macro_auroc']:.3f}, min {summary['min_auroc']:.3f}, "
+              f"R@10%OA {summary['macro_recall_at_budget']:.3f}", flush=True)
+    reference = next(iter(models))
+    boot = paired_bootstrap(gold, systems, reference=reference, sources=sources, seed=args.seed)
+    for name in models:
+        if name != reference:
+            print(f"[paired] {name} minus {reference}: mean within-source AUROC "
+                  f"{boot['systems'][name]['macro_auroc_diff']}", flush=True)
+    path = write_result("recipe-paired", {
+        "data": args.data, "split": args.split, "n": len(examples), "fingerprint": fingerprint_examples(examples),
+        "reference": reference, "models": rows, "bootstrap": boot, "seconds": round(time.time() - t0, 1)}, args.out)
+    print(f"[paired] wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
