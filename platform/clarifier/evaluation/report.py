@@ -276,13 +276,6 @@ def _markdown(report: dict, plots: dict[str, Path]) -> str:
     if info:
         out.append("")
     out += [_markdown_table(report), "", _skipped_line(report), ""]
-    by_source = source_rows(report)
-    if by_source:
-        out += ["## By source (model)", "",
-                "Decisions at the model's threshold inside each source; AUROC and recall at the over-asking "
-                "budget rank inside each source (figures a model cannot reach by telling sources apart).", "",
-                _md(*by_source), ""]
-    out += _mistakes_markdown(report)
     if "skipped_lines" in report:
         out += [f"Malformed evaluation-set lines skipped: {report['skipped_lines']}"
                 + (" (see `skipped` above for source, line and reason)." if report["skipped_lines"] else "."), ""]
@@ -293,6 +286,15 @@ def _markdown(report: dict, plots: dict[str, Path]) -> str:
         "(mean cosine similarity of all-MiniLM-L6-v2 embeddings of generated vs reference question) are "
         "on true positives; Valid = share of outputs that parsed. n/a = undefined."
     )
+    by_source = source_rows(report)
+    if by_source:
+        out += ["", "## By source (model)", "",
+                "Decisions at the model's threshold inside each source; AUROC and recall at the over-asking "
+                "budget rank inside each source (figures a model cannot reach by telling sources apart).", "",
+                _md(*by_source)]
+    wrong = _mistakes_markdown(report)
+    if wrong:
+        out += [""] + wrong
     titles = {"pr_curve": "Precision-recall", "over_asking": "Over-asking vs recall", "calibration": "Calibration"}
     if plots:
         out.append("")
