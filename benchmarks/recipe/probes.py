@@ -36,14 +36,10 @@ SWEEP_K = (0, 2, 4, 6, 8)  # every long_rag case has at least 8 history turns: e
 
 def capability_table(m: dict) -> dict:
     """Per capability (from one row's metrics): n, clarify, asked, accuracy, over-asking, recall at the row's
-    threshold, AUROC inside."""
-    out = {}
-    for src, w in m["within_source"]["by_source"].items():
-        d = m["decision_by_source"][src]
-        out[src] = {"n": w["n"], "clarify": w["clarify"], "asked": d["tp"] + d["fp"], "accuracy": d["accuracy"],
-                    "over_asking": d["over_asking_rate"] if w["n"] > w["clarify"] else None,
-                    "recall": d["recall"] if w["clarify"] else None, "auroc": w["auroc"]}
-    return out
+    threshold, AUROC inside (the eval report's by-source breakdown)."""
+    from clarifier.evaluation.report import source_breakdown
+
+    return {src: {k: v for k, v in r.items() if k != "recall_at_budget"} for src, r in source_breakdown(m).items()}
 
 
 def history_sweep(model_uri: str, examples) -> dict:

@@ -112,27 +112,36 @@ def _markdown_table(report: dict) -> str:
     return _md(*_rows(report))
 
 
-def source_rows(report: dict, model: str = "model") -> tuple[list[str], list[list[str]]] | None:
-    """One row per source of the evaluation set for ``model``: its decisions at the model's own
-    threshold (asked, accuracy, over-asking, recall) and its ranking inside the source (AUROC,
-    recall at the over-asking budget), then their means over the sources; None with one source."""
-    metrics = (_models(report).get(model) or {}).get("metrics") or {}
+def source_breakdown(metrics: dict) -> dict[str, dict]:
+    """Per source of one row's metrics (:func:`clarifier.core.metrics.evaluate_predictions`): n, clarify,
+    asked, accuracy, over-asking (None without clear turns) and recall (None without turns needing a
+    question) of the decisions as made, AUROC and recall at the over-asking budget inside the source."""
     ws, dec = metrics.get("within_source") or {}, metrics.get("decision_by_source") or {}
-    by = ws.get("by_source") or {}
+    out = {}
+    for src, w in (ws.get("by_source") or {}).items():
+        d = dec.get(src) or {}
+        out[src] = {"n": w["n"], "clarify": w["clarify"], "asked": d["tp"] + d["fp"] if d else None,
+                    "accuracy": d.get("accuracy"),
+                    "over_asking": d.get("over_asking_rate") if w["n"] > w["clarify"] else None,
+                    "recall": d.get("recall") if w["clarify"] else None,
+                    "auroc": w.get("auroc"), "recall_at_budget": w.get("recall_at_budget")}
+    return out
+
+
+def source_rows(report: dict, model: str = "model") -> tuple[list[str], list[list[str]]] | None:
+    """One row per source of the evaluation set for ``model`` (:func:`source_breakdown`): its decisions
+    at the model's own threshold (asked, accuracy, over-asking, recall) and its ranking inside the source
+    (AUROC, recall at the over-asking budget), then their means over the sources; None with one source."""
+    metrics = (_models(report).get(model) or {}).get("metrics") or {}
+    ws = metrics.get("within_source") or {}
+    by = source_breakdown(metrics)
     if len(by) < 2:
         return None
     budget = f"R@{ws.get('budget', 0.1) * 100:g}%OA"
     header = ["Source", "n", "Clarify", "Asked", "Acc", "Over-ask", "Recall", "AUROC", budget]
-    rows = []
-    for src, w in by.items():
-        d = dec.get(src) or {}
-        asked = (d.get("tp", 0) + d.get("fp", 0)) if d else None
-        clear_n, clarify_n = w["n"] - w["clarify"], w["clarify"]
-        rows.append([src, str(w["n"]), str(clarify_n), "n/a" if asked is None else str(asked),
-                     fmt_metric(d.get("accuracy")),
-                     fmt_metric(d.get("over_asking_rate") if clear_n else None),
-                     fmt_metric(d.get("recall") if clarify_n else None),
-                     fmt_metric(w.get("auroc")), fmt_metric(w.get("recall_at_budget"))])
+    rows = [[src, str(r["n"]), str(r["clarify"]), "n/a" if r["asked"] is None else str(r["asked"])]
+            + [fmt_metric(r[k]) for k in ("accuracy", "over_asking", "recall", "auroc", "recall_at_budget")]
+            for src, r in by.items()]
     rows.append([f"mean of {len(ws.get('sources_scored') or [])} sources with both classes", "", "", "", "", "", "",
                  fmt_metric(ws.get("macro_auroc")), fmt_metric(ws.get("macro_recall_at_budget"))])
     return header, rows
