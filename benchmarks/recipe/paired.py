@@ -42,8 +42,7 @@ def main() -> None:
     from clarifier.core.metrics import paired_bootstrap, within_source_summary
     from clarifier.core.schema import source_of
     from clarifier.data.outputs import load_split
-    from clarifier.engine.inference import read_meta
-    from clarifier.engine.loading import load_engine, resolve_model
+    from clarifier.engine.loading import load_engine
     from clarifier.evaluation.evaluate import fingerprint_examples
 
     t0 = time.time()
@@ -58,8 +57,7 @@ def main() -> None:
         thr = engine.threshold
         systems[name] = ([s >= thr for s in scores], scores)
         summary = within_source_summary(gold, scores, sources)
-        meta = read_meta(resolve_model(uri).folder)
-        rows[name] = {"model_uri": uri, "threshold": thr, "decision_head": bool(meta.decision_head),
+        rows[name] = {"model_uri": uri, "threshold": thr, "decision_head": engine.decision_head is not None,
                       "within_source": summary}
         print(f"[paired] {name}: mean within-source AUROC {summary['macro_auroc']:.3f}, min {summary['min_auroc']:.3f}, "
               f"R@10%OA {summary['macro_recall_at_budget']:.3f}", flush=True)

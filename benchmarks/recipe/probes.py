@@ -64,9 +64,8 @@ def history_sweep(model_uri: str, examples) -> dict:
     for label, gold in (("clear", False), ("ambiguous", True)):
         mean[label] = {}
         for k in SWEEP_K:
-            vals = [c["scores"][str(k)] for c in per_case.values() if c["gold"] == gold and str(k) in c["scores"]]
-            if vals:
-                mean[label][str(k)] = {"n": len(vals), "mean_p_clarify": round(sum(vals) / len(vals), 4)}
+            vals = [c["scores"][str(k)] for c in per_case.values() if c["gold"] == gold]  # every case has every k
+            mean[label][str(k)] = {"n": len(vals), "mean_p_clarify": round(sum(vals) / len(vals), 4)}
     return {"k": list(SWEEP_K), "threshold": engine.threshold, "mean": mean, "cases": per_case}
 
 
