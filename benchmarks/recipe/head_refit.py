@@ -6,12 +6,15 @@
     # and write the last head's model (a copy of --model with that head and a threshold calibrated on dev), plus a
     # recipe-benchmark result whose row "joint" is that model on the recipe's evaluation set, to package it:
     #   --save-model DIR --recipe-result benchmarks/results/recipe-joint-public.json
+    # v3.2's head: the same states with the prompt showing only the latest 4 history turns (model.max_history_turns;
+    # the saved model records it):  --head v3.1=last+mean:all --head v3.2=last+mean:all:4
 
 The decision head (:mod:`clarifier.engine.decision_head`) is a logistic regression on hidden states of four
 layers; the recipe (`train.decision_head`) fits it on up to ``max_per_source`` train turns per source (half
 needing a question), source- and class-balanced, its strength chosen on the dev split. This script computes
 the model's states once (every train turn, the dev split, the whole test split; at the last position and
-averaged over the prompt) and fits every ``--head NAME=POOLING:MAX_PER_SOURCE`` with that same procedure
+averaged over the prompt; once per history window the heads name) and fits every
+``--head NAME=POOLING:MAX_PER_SOURCE[:WINDOW]`` with that same procedure
 (:func:`clarifier.train.decision_head.fit_on_features`); the first head is the reference. Only then are the
 test turns scored: on the recipe benchmark's evaluation set (the seeded test sample of ``joint-public``: 100
 turns per source, 30% needing a question; fingerprint recorded) and on the whole test split, each with the
@@ -32,14 +35,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import write_result  # noqa: E402
 
 
-def parse_head(spec: str) -> tuple[str, list[str], int | None]:
-    """``NAME=POOLING:MAX_PER_SOURCE`` (``v3.1=last+mean:all``) -> ``(name, pooling, cap or None)``."""
+def parse_head(spec: str) -> tuple[str, list[str], int | None, int | None]:
+    """``NAME=POOLING:MAX_PER_SOURCE[:WINDOW]`` (``v3.2=last+mean:all:4``) -> ``(name, pooling, cap or None,
+    window or None)``; WINDOW: the prompt shows the latest WINDOW history turns (``model.max_history_turns``)."""
     try:
         name, rest = spec.split("=", 1)
-        pooling, cap = rest.split(":", 1)
-        return name, pooling.split("+"), None if cap == "all" else int(cap)
+        pooling, cap, *window = rest.split(":")
+        if len(window) > 1:
+            raise ValueError(spec)
+        return (name, pooling.split("+"), None if cap == "all" else int(cap),
+                int(window[0]) if window and window[0] != "all" else None)
     except ValueError:
-        raise SystemExit(f"--head {spec!r}: expected NAME=POOLING:MAX_PER_SOURCE, e.g. v3.1=last+mean:all") from None
+        raise SystemExit(f"--head {spec!r}: expected NAME=POOLING:MAX_PER_SOURCE[:WINDOW], e.g. v3.1=last+mean:all or "
+                         "v3.2=last+mean:all:4") from None
 
 
 def main() -> None:
@@ -47,8 +55,9 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="the recipe benchmark's data-job output (train, dev and test splits)")
     ap.add_argument("--model", default="builtin:clarifier-smollm2-135m")
     ap.add_argument("--head", action="append", default=None,
-                    help="NAME=POOLING:MAX_PER_SOURCE (POOLING last, mean or last+mean; MAX_PER_SOURCE a number or "
-                         "all); repeatable, the first is the reference (default: v3=last:600 v3.1=last+mean:all)")
+                    help="NAME=POOLING:MAX_PER_SOURCE[:WINDOW] (POOLING last, mean or last+mean; MAX_PER_SOURCE a number or "
+                         "all; WINDOW: the prompt shows only the latest WINDOW history turns, default the model's "
+                         "own); repeatable, the first is the reference (default: v3=last:600 v3.1=last+mean:all)")
     ap.add_argument("--eval-per-source", type=int, default=100)
     ap.add_argument("--eval-clarify-share", type=float, default=0.3)
     ap.add_argument("--max-over-asking", type=float, default=0.1, help="the threshold rule, on dev")
@@ -75,11 +84,12 @@ def main() -> None:
 
     t0 = time.time()
     cfg = DecisionHeadConfig()
-    for _, pooling, _ in heads:
+    for _, pooling, _, _ in heads:
         check_pooling(pooling)
     splits = {name: load_split(args.data, name) for name in ("train", "dev", "test")}
     eval_set = sample_by_source(splits["test"], args.eval_per_source, args.seed, args.eval_clarify_share)
     engine = load_engine(args.model, decision_head=False)
+    own_opts = engine.opts
     layers = resolve_layers(cfg.layers, engine.model.config.num_hidden_layers)
     print(f"[refit] {args.model} ({engine.precision}), layers {layers}: {len(splits['train'])} train, "
           f"{len(splits['dev'])} dev, {len(splits['test'])} test turns; evaluation set {len(eval_set)} "
@@ -87,46 +97,52 @@ def main() -> None:
     dim = len(layers) * engine.model.config.hidden_size  # the engine's features: every layer's last, then mean
     cache = Path(args.features) if args.features else None
     feats = dict(np.load(cache)) if cache and cache.is_file() else {}
-    cached = sorted(k for k in feats if not k.endswith("_ids"))  # splits a previous run of the same data computed
-    for name in cached:
-        if f"{name}_ids" not in feats or list(feats[f"{name}_ids"]) != [e.id for e in splits[name]]:
-            why = ("has no turn ids (an older version of this script wrote it)" if f"{name}_ids" not in feats else
+    # keys: the split's name ("train"; the model's own prompt) or "train@w4" (a window of 4 history turns)
+    cached = sorted(k for k in feats if not k.endswith("_ids"))  # states a previous run of the same data computed
+    for key in cached:
+        name = key.split("@")[0]
+        if f"{key}_ids" not in feats or list(feats[f"{key}_ids"]) != [e.id for e in splits[name]]:
+            why = ("has no turn ids (an older version of this script wrote it)" if f"{key}_ids" not in feats else
                    f"holds states of other turns than {args.data}'s {name} split (another data job?)")
-            raise SystemExit(f"--features {cache}: its {name} split {why}; delete it or name another file")
+            raise SystemExit(f"--features {cache}: its {key} states {why}; delete it or name another file")
 
-    def states(name):
-        if name not in feats:
-            feats[name] = hidden_features(engine, splits[name], layers, cfg.batch_size, name,
-                                          lambda m: print(m, flush=True), ("last", "mean"))[1]
-            feats[f"{name}_ids"] = np.array([e.id for e in splits[name]])
+    def states(name, window=None):
+        key = name if window is None else f"{name}@w{window}"
+        if key not in feats:
+            engine.opts = own_opts if window is None else replace(own_opts, max_history_turns=window)
+            feats[key] = hidden_features(engine, splits[name], layers, cfg.batch_size, key,
+                                         lambda m: print(m, flush=True), ("last", "mean"))[1]
+            feats[f"{key}_ids"] = np.array([e.id for e in splits[name]])
+            engine.opts = own_opts
             if cache:
                 np.savez(cache, **feats)
-        return feats[name]
+        return feats[key]
 
     def columns(x, pooling):
         return np.hstack([x[:, :dim] if p == "last" else x[:, dim:] for p in pooling])
 
     row_of = {name: {e.id: i for i, e in enumerate(rows)} for name, rows in splits.items()}
-    x_dev, fits = states("dev"), {}
-    for head_name, pooling, cap in heads:  # every head is fixed before the test split is read
+    fits = {}
+    for head_name, pooling, cap, window in heads:  # every head is fixed before the test split is read
         train = splits["train"] if cap is None else sample_by_source(splits["train"], cap, args.seed, clarify_share=0.5)
-        x_train = columns(states("train")[[row_of["train"][e.id] for e in train]], pooling)
-        fit = fit_on_features(x_train, train, columns(x_dev, pooling), splits["dev"], cfg.c_grid)
-        fits[head_name] = {**fit, "pooling": pooling, "n_train": len(train)}
-        print(f"[refit] {head_name} ({'+'.join(pooling)}, {len(train)} train turns): C={fit['c']:g}, "
+        x_train = columns(states("train", window)[[row_of["train"][e.id] for e in train]], pooling)
+        fit = fit_on_features(x_train, train, columns(states("dev", window), pooling), splits["dev"], cfg.c_grid)
+        fits[head_name] = {**fit, "pooling": pooling, "n_train": len(train), "window": window}
+        shown = "" if window is None else f", latest {window} history turns"
+        print(f"[refit] {head_name} ({'+'.join(pooling)}, {len(train)} train turns{shown}): C={fit['c']:g}, "
               f"dev within-source AUROC {fit['dev_macro_auroc']:.3f}", flush=True)
-    x_test = states("test")
 
     results, systems = {}, {}
     for set_name, rows in (("evaluation_set", eval_set), ("test_split", splits["test"])):
-        x = x_test[[row_of["test"][e.id] for e in rows]]
         gold, src = [e.needs_clarification for e in rows], [source_of(e) for e in rows]
         systems[set_name] = {}
         for head_name, fit in fits.items():
+            x = states("test", fit["window"])[[row_of["test"][e.id] for e in rows]]
             scores = [float(v) for v in fit["model"].predict_proba(fit["scaler"].transform(columns(x, fit["pooling"])))[:, 1]]
             systems[set_name][head_name] = ([s >= 0.5 for s in scores], scores)
             summary = within_source_summary(gold, scores, src)
             results.setdefault(head_name, {"pooling": fit["pooling"], "n_train": fit["n_train"], "c": fit["c"],
+                                           "max_history_turns": fit["window"],
                                            "dev_macro_auroc": round(fit["dev_macro_auroc"], 4), "tried": fit["tried"]})
             results[head_name][set_name] = summary
             print(f"[refit] {head_name} on the {set_name.replace('_', ' ')} ({len(rows)} turns): mean within-source "
@@ -177,7 +193,8 @@ def save_model(args, engine, fit, layers, cfg, splits, eval_set, head_name) -> d
     meta = read_meta(dst)
     refit = {"script": "benchmarks/recipe/head_refit.py", "head": head_name, "git": git_commit(),
              "date": time.strftime("%Y-%m-%d")}
-    write_meta(dst, replace(meta, decision_head={
+    prompt = meta.prompt if fit["window"] is None else {**(meta.prompt or {}), "max_history_turns": fit["window"]}
+    write_meta(dst, replace(meta, prompt=prompt, decision_head={
         "layers": layers, "layer_fractions": list(cfg.layers), "pooling": fit["pooling"], "c": fit["c"],
         "n_train": fit["n_train"], "n_dev": len(splits["dev"]), "dev_macro_auroc": fit["dev_macro_auroc"],
         # the same model's decision tokens on the same dev split: unchanged by a refit

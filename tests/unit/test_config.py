@@ -77,3 +77,20 @@ def test_full_finetune_is_a_choice_that_refuses_the_pipeline_variant():
     msg = str(exc.value)
     assert "model.finetune=full does not combine with train.variant=pipeline" in msg
     assert "'storage'" not in msg  # a cross-section check names its keys, not the whole config dict
+
+
+def test_history_window_reaches_the_prompt_the_model_folder_and_the_data_check(tmp_path):
+    import json
+
+    from clarifier.recipes import data_is_current
+
+    cfg = build_config({"data": {"output": str(tmp_path)}}, ["model.max_history_turns=6"])
+    assert cfg.model.prompt_options().max_history_turns == 6
+    assert cfg.model.prompt_meta() == {"max_prompt_tokens": cfg.model.max_prompt_tokens, "max_history_turns": 6}
+    with pytest.raises(ConfigError, match="model.max_history_turns"):
+        build_config({}, ["model.max_history_turns=-1"])
+    tokenizer = {"base_model": cfg.model.base_model, "max_prompt_tokens": cfg.model.max_prompt_tokens}
+    for window, current in ((None, False), (6, True)):  # data tokenised without the window must be prepared again
+        (tmp_path / "manifest.json").write_text(json.dumps({"config": {
+            "data": cfg.data.model_dump(mode="json"), "tokenizer": {**tokenizer, "max_history_turns": window}}}))
+        assert data_is_current(cfg) is current

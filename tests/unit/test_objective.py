@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import torch
 
 from clarifier.core.prompt import PromptOptions, render_prompt
@@ -21,6 +23,19 @@ def test_prompt_keeps_turn_indexes_and_drops_oldest_first(tiny_tokenizer):
     short = render_prompt(tiny_tokenizer, ex.history, ex.query, ex.passages, PromptOptions(max_prompt_tokens=n_full - 20))
     assert "[0] user:" not in short and "[11] assistant:" in short and "omitted" in short
     assert short.endswith("<|im_start|>assistant\n") and "how do I reset it?" in short
+
+
+def test_history_window_shows_only_the_latest_turns_with_their_indexes(tiny_tokenizer):
+    ex = _ex(turns=12)
+    opts = PromptOptions(max_prompt_tokens=10_000, max_history_turns=4)
+    text = render_prompt(tiny_tokenizer, ex.history, ex.query, ex.passages, opts)
+    assert "(turns 0-7 omitted)" in text and "[7] assistant:" not in text
+    assert all(f"[{i}] " in text for i in range(8, 12)) and "[p1] Reset guide" in text
+    short = _ex(turns=3)  # fewer turns than the window: all shown, nothing omitted
+    text = render_prompt(tiny_tokenizer, short.history, short.query, short.passages, opts)
+    assert "[0] user:" in text and "omitted" not in text
+    none = render_prompt(tiny_tokenizer, ex.history, ex.query, ex.passages, replace(opts, max_history_turns=0))
+    assert "Conversation so far: (none)" in none and "[11]" not in none and "how do I reset it?" in none
 
 
 def test_encode_masks_prompt_and_weights_segments(tiny_tokenizer):

@@ -212,10 +212,23 @@ class ModelConfig(_Strict):
                           "runs:/..., s3:// or a folder; e.g. this week's champion) instead of a fresh adapter; its "
                           "LoRA shape replaces model.lora. It must be a LoRA model on the same base model.")
     max_prompt_tokens: int = PromptOptions.max_prompt_tokens
+    max_history_turns: int | None = Field(
+        PromptOptions.max_history_turns, ge=0,
+        description="Show the model at most this many of the latest history turns (training, evaluation and serving "
+                    "alike; the model folder records it); older ones are dropped as max_prompt_tokens drops them. "
+                    "None: as many as max_prompt_tokens allows.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Numeric precision of training, calibration and evaluation: auto = bf16 where the device "
                             "computes it natively (CUDA with bf16; a CPU with AVX512-BF16 or AMX), else fp32. "
                             "Training keeps fp32 master weights, optimizer state and loss.")
+
+    def prompt_options(self) -> PromptOptions:
+        """The prompt renderer's options this model config trains and scores with."""
+        return PromptOptions(max_prompt_tokens=self.max_prompt_tokens, max_history_turns=self.max_history_turns)
+
+    def prompt_meta(self) -> dict:
+        """What a model folder records of them (``ModelMeta.prompt``)."""
+        return {"max_prompt_tokens": self.max_prompt_tokens, "max_history_turns": self.max_history_turns}
 
 
 class LossWeights(_Strict):

@@ -1,9 +1,9 @@
 """The one prompt renderer: training, evaluation and serving format a turn identically.
 
 History turns are shown with their indexes (``[0] user: ...``) so the model can name them in its
-grounding; when the prompt is too long the *oldest* turns are dropped and the remaining ones keep
-their original indexes. Rendered through the tokenizer's chat template when it has one.
-Pure apart from calling the tokenizer.
+grounding; when the prompt is too long (or has more history turns than ``max_history_turns``) the
+*oldest* turns are dropped and the remaining ones keep their original indexes. Rendered through the
+tokenizer's chat template when it has one. Pure apart from calling the tokenizer.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ class PromptOptions:
     max_turn_chars: int = 600
     max_passage_chars: int = 300
     max_passages: int = 3
+    # Show at most this many of the latest history turns (None: as many as max_prompt_tokens allows). Older turns
+    # are dropped like the token budget drops them: the shown ones keep their indexes.
+    max_history_turns: int | None = None
 
 
 def _clip(text: str, limit: int) -> str:
@@ -79,6 +82,13 @@ def _apply_template(tokenizer, user: str) -> str:
     return f"{_bos_text(tokenizer)}{SYSTEM_PROMPT}\n\n{user}\n\nReply:\n"
 
 
+def _window_start(history: list, opts: PromptOptions) -> int:
+    """Index of the first history turn ``opts.max_history_turns`` lets the prompt show."""
+    if opts.max_history_turns is None:
+        return 0
+    return max(0, len(history) - opts.max_history_turns)
+
+
 def render_prompt(tokenizer, history, query, passages=(), opts: PromptOptions | None = None) -> str:
     """Prompt text ending where the assistant's reply (the joint target) starts.
 
@@ -91,15 +101,16 @@ def render_prompt(tokenizer, history, query, passages=(), opts: PromptOptions | 
 
 def render_prompts(tokenizer, items, opts: PromptOptions | None = None) -> list[tuple[str, list[int]]]:
     """:func:`render_prompt` of many ``(history, query, passages)`` items, with each prompt's token
-    ids: the full prompts are tokenised in one call; only those over ``max_prompt_tokens`` drop
-    their oldest turns one at a time."""
+    ids: the full prompts (at most ``max_history_turns`` of history) are tokenised in one call; only
+    those over ``max_prompt_tokens`` drop their oldest turns one at a time."""
     opts = opts or PromptOptions()
     items = [(list(h), q, list(p or ())) for h, q, p in items]
-    texts = [_apply_template(tokenizer, render_user_message(h, q, p, opts)) for h, q, p in items]
+    texts = [_apply_template(tokenizer, render_user_message(h, q, p, opts, _window_start(h, opts)))
+             for h, q, p in items]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     out = []
     for (history, query, passages), text, tids in zip(items, texts, ids):
-        first = 0
+        first = _window_start(history, opts)
         while len(tids) > opts.max_prompt_tokens and first < len(history):
             first += 1
             text = _apply_template(tokenizer, render_user_message(history, query, passages, opts, first))

@@ -216,7 +216,8 @@ class Encoder:
     tokenised with one call for its prompts and one for its targets (``encode_examples``)."""
 
     def __init__(self, base_model: str, resolved: str, cache_dir: str | None, weights: dict,
-                 max_prompt_tokens: int, max_length: int, progress: tuple | None = None):
+                 max_prompt_tokens: int, max_length: int, progress: tuple | None = None,
+                 max_history_turns: int | None = None):
         from clarifier.engine.models import load_tokenizer, resolve_base_model
         from clarifier.core.prompt import PromptOptions
         from clarifier.core.objective import SegmentWeights
@@ -225,7 +226,7 @@ class Encoder:
         path = resolved if (Path(resolved) / "config.json").is_file() else resolve_base_model(base_model, cache_dir)
         self.tokenizer = load_tokenizer(path)
         self.weights = SegmentWeights(**weights)
-        self.opts = PromptOptions(max_prompt_tokens=max_prompt_tokens)
+        self.opts = PromptOptions(max_prompt_tokens=max_prompt_tokens, max_history_turns=max_history_turns)
         self.max_length = max_length
         self.progress = progress  # (relay handle, total examples)
 
@@ -264,7 +265,8 @@ COUNTS_SCHEMA = pa.schema([
 ])
 
 
-def tokenizer_info(tok, base_model: str, resolved: str, max_prompt_tokens: int) -> dict:
+def tokenizer_info(tok, base_model: str, resolved: str, max_prompt_tokens: int,
+                   max_history_turns: int | None = None) -> dict:
     """What the data job's manifest records of the tokenizer it used."""
     return {
         "base_model": base_model,
@@ -272,6 +274,7 @@ def tokenizer_info(tok, base_model: str, resolved: str, max_prompt_tokens: int) 
         "name_or_path": getattr(tok, "name_or_path", resolved),
         "vocab_size": len(tok),
         "max_prompt_tokens": max_prompt_tokens,
+        "max_history_turns": max_history_turns,
         "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
     }
 
@@ -298,7 +301,7 @@ class EncodeAndWrite:
         self.micro_batch_size, self.packing = micro_batch_size, packing
         self.made: set[str] = set()
         self.info = tokenizer_info(self.encoder.tokenizer, encoder["base_model"], encoder["resolved"],
-                                   encoder["max_prompt_tokens"])
+                                   encoder["max_prompt_tokens"], encoder.get("max_history_turns"))
         self.reported = False
 
     def _write(self, table: pa.Table, folder: str, name: str) -> None:

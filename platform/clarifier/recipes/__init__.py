@@ -49,8 +49,10 @@ def data_is_current(cfg: ClarifierConfig) -> bool:
     except FileNotFoundError:
         return False
     conf = manifest.get("config") or {}
-    return (conf.get("data") == cfg.data.model_dump(mode="json")
-            and (conf.get("tokenizer") or {}).get("base_model") == cfg.model.base_model)
+    tok = conf.get("tokenizer") or {}
+    return (conf.get("data") == cfg.data.model_dump(mode="json") and tok.get("base_model") == cfg.model.base_model
+            and tok.get("max_prompt_tokens", cfg.model.max_prompt_tokens) == cfg.model.max_prompt_tokens
+            and tok.get("max_history_turns") == cfg.model.max_history_turns)
 
 
 def prepare_if_needed(cfg: ClarifierConfig, progress: Callable[[str], None] = print, force: bool = False) -> dict:

@@ -29,7 +29,6 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from clarifier.core.config import ClarifierConfig, ConfigError, load_config, validation_messages
-from clarifier.core.prompt import PromptOptions
 from clarifier.recipes import PLANS_DIR, recipe_path
 from clarifier.train.encoder_classifier import EncoderClassifierConfig
 
@@ -281,7 +280,7 @@ def _predict_probe(base_model: str, train: list, dev: list, examples: list, cfg:
     from clarifier.train.decision_head import fit_head
 
     engine = ClarifierEngine.from_base(base_model, cache_dir=cfg.model.cache_dir,
-                                       prompt_opts=PromptOptions(max_prompt_tokens=cfg.model.max_prompt_tokens),
+                                       prompt_opts=cfg.model.prompt_options(),
                                        precision=cfg.model.precision)
     head, fit = fit_head(engine, train, dev, cfg.train.decision_head, seed=cfg.train.seed, progress=progress)
     engine.decision_head = head
@@ -295,7 +294,7 @@ def _predict_zero_shot(base_model: str, dev: list, examples: list, cfg: Clarifie
     from clarifier.engine.inference import ClarifierEngine
 
     engine = ClarifierEngine.from_base(base_model, cache_dir=cfg.model.cache_dir, threshold=0.5,
-                                       precision=cfg.model.precision)
+                                       prompt_opts=cfg.model.prompt_options(), precision=cfg.model.precision)
     return _scored_row(engine, dev, examples, cfg, progress)
 
 

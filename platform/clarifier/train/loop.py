@@ -495,7 +495,6 @@ class WorkerRecipe:
         import torch
 
         from clarifier.core.metrics import within_source_summary
-        from clarifier.core.prompt import PromptOptions
         from clarifier.core.schema import source_of
         from clarifier.engine.inference import ClarifierEngine
         from clarifier.engine.models import load_tokenizer, resolve_base_model
@@ -504,7 +503,7 @@ class WorkerRecipe:
         if self.curve_tok is None:  # its own tokenizer: the engine pads on the left, training's must not change
             self.curve_tok = load_tokenizer(resolve_base_model(self.cfg.model.base_model, self.cfg.model.cache_dir))
         scorer = ClarifierEngine(module, self.curve_tok,
-                                 prompt_opts=PromptOptions(max_prompt_tokens=self.cfg.model.max_prompt_tokens))
+                                 prompt_opts=self.cfg.model.prompt_options())
         t0 = time.time()
         with torch.no_grad():
             scores = scorer.score_examples(self.curve, self.cfg.train.learning_curve.batch_size)
@@ -735,7 +734,7 @@ def _report(engine, tok, cfg: ClarifierConfig, step: int, micro: int, rank: int,
             tok.save_pretrained(d)
             write_meta(d, ModelMeta(base_model=cfg.model.base_model, threshold=cfg.eval.threshold,
                                     finetune=cfg.model.finetune, precision=precision,
-                                    prompt={"max_prompt_tokens": cfg.model.max_prompt_tokens}))
+                                    prompt=cfg.model.prompt_meta()))
             state = {"step": step, "micro_batches": micro, "samples": micro * world * cfg.train.micro_batch_size,
                      "final": final, "tag": tag, "world_size": world, "zero_stage": cfg.train.zero_stage,
                      "seed": cfg.train.seed, "part": config.get("part"), "precision": precision, "mlflow_run_id": config.get("mlflow_run_id"),
