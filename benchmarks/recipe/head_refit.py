@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--recipe-result", default=None,
                     help="with --save-model: the recipe benchmark JSON the model's row came from; writes a copy whose "
                          "row 'joint' is the saved model measured on the same evaluation set (to package it)")
+    ap.add_argument("--recipe-result-out", default=None,
+                    help="where that copy goes (default: results/<its benchmark>-head-refit.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     heads = [parse_head(h) for h in (args.head or ["v3=last:600", "v3.1=last+mean:all"])]
@@ -227,7 +229,7 @@ def save_model(args, engine, fit, layers, cfg, splits, eval_set, head_name) -> d
                       if k not in ("machine", "command", "rows", "uncertainty", "error_analysis")},
                    "benchmark": result["benchmark"] + "-head-refit", "derived_from": args.recipe_result,
                    "rows": {"joint": row}}
-        path = write_result(derived["benchmark"], derived, None)
+        path = write_result(derived["benchmark"], derived, args.recipe_result_out)
         out["recipe_result"] = str(path)
         print(f"[refit] wrote {path} (row joint: the saved model on the recipe's evaluation set)", flush=True)
     return out

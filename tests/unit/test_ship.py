@@ -118,6 +118,9 @@ def test_card_says_when_the_head_was_refitted_and_how_it_pools():
     plain = card_markdown(model_card("m", meta, RESULT, "joint"))
     assert ("layers [8, 15] at the decision position and averaged over the prompt, C=0.01, fitted on 4747 train turns; "
             "dev within-source AUROC 0.740 vs 0.586 from the decision tokens).") in plain and "refitted" not in plain
+    assert "history turns" not in plain
+    meta.prompt = {"max_prompt_tokens": 384, "max_history_turns": 4}
+    assert "- Prompt: the latest 4 history turns" in card_markdown(model_card("m", meta, RESULT, "joint"))
     meta.decision_head = {**head, "refit": {"date": "2026-12-05", "script": "benchmarks/recipe/head_refit.py", "git": "abc"}}
     card = model_card("m", meta, {**RESULT, "recipe_file": "/work/x/platform/clarifier/recipes/configs/joint-public.yaml"},
                       "joint")

@@ -132,6 +132,9 @@ def card_markdown(c: dict) -> str:
              f"- Base model: {c['base_model']} ({c['base_model_license']}); {c['finetune']} adapter, trained in "
              f"{c['trained_precision']}, shipped as bf16 safetensors.",
              f"- Threshold {_f(c['threshold'])}" + (f" ({c['operating_point']['rule']})" if c.get("operating_point") else "") + "."]
+    window = (c.get("prompt") or {}).get("max_history_turns")
+    if window is not None:
+        lines.append(f"- Prompt: the latest {window} history turns (older ones are dropped; `model.max_history_turns`).")
     h = c.get("decision_head")
     where = " and ".join({"last": "at the decision position", "mean": "averaged over the prompt"}[p]
                          for p in (h or {}).get("pooling") or ["last"])
