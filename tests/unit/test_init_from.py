@@ -40,3 +40,22 @@ def test_another_base_a_full_model_or_the_pipeline_variant_is_refused(tiny_model
         check_init_from(_cfg(tiny_model_dir, f"model.init_from={adapter}"), here, None)
     with pytest.raises(ValueError, match="not a folder"):
         check_init_from(_cfg(tiny_model_dir, f"model.init_from={tmp_path / 'nope'}"), here, None)
+
+
+def test_workers_get_absolute_local_paths_and_uris_unchanged(tmp_path, monkeypatch):
+    """Ray Train runs each worker in its own directory: a relative data.output (the recipes' default) turned the
+    learning curve off, since the workers could not find the dev split."""
+    from clarifier.core.config import build_config
+    from clarifier.train.trainer import worker_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prev-model").mkdir()
+    cfg = build_config({"data": {"output": "runs/data"}}, ["model.init_from=prev-model", "model.cache_dir=cache"])
+    d = worker_config(cfg)
+    assert d["data"]["output"] == str(tmp_path / "runs" / "data") and d["model"]["cache_dir"] == str(tmp_path / "cache")
+    assert d["model"]["init_from"] == str(tmp_path / "prev-model")
+    for uri in ("builtin:clarifier-smollm2-135m", "models:/clarifier@champion", "s3://bucket/model"):
+        assert worker_config(build_config({"data": {"output": "s3://b/data"}}, [f"model.init_from={uri}"])) \
+            ["model"]["init_from"] == uri
+    assert worker_config(build_config({"data": {"output": "s3://b/data"}}, []))["data"]["output"] == "s3://b/data"
+    assert cfg.data.output == "runs/data"  # the driver's own config is unchanged

@@ -299,6 +299,23 @@ def train_dataset(cfg: ClarifierConfig):
     return ray.data.read_parquet(path, filesystem=fs, columns=train_columns(packed, cfg.train.balance)).materialize()
 
 
+def worker_config(cfg: ClarifierConfig) -> dict:
+    """``cfg`` as the workers get it: local relative paths they read (``data.output`` for the learning curve,
+    ``model.cache_dir``, a folder in ``model.init_from``) made absolute here, since Ray Train runs each worker
+    in its own directory (before this, the recipe's relative ``data.output`` turned its learning curve off)."""
+    d = cfg.model_dump(mode="json")
+
+    def absolute(value: str | None, must_exist: bool = False) -> str | None:
+        if not value or storage.is_s3(value) or ":" in value or (must_exist and not Path(value).exists()):
+            return value  # a URI (s3://, models:/, runs:/, builtin:, hf ids stay as they are)
+        return str(Path(value).expanduser().resolve())
+
+    d["data"]["output"] = absolute(d["data"]["output"])
+    d["model"]["cache_dir"] = absolute(d["model"]["cache_dir"])
+    d["model"]["init_from"] = absolute(d["model"]["init_from"], must_exist=True)
+    return d
+
+
 def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str | None, decision, ray_name: str,
          storage_path: str, dataset, progress, callbacks=()):
     from clarifier.runtime.relay import ProgressRelay
@@ -318,7 +335,7 @@ def _fit_with(cfg, part, run_id, tracking_uri, decision, ray_name, storage_path,
                             placement_strategy=t.placement_strategy)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow_run_id": run_id, "tracking_uri": tracking_uri,
+        train_loop_config={"cfg": worker_config(cfg), "mlflow_run_id": run_id, "tracking_uri": tracking_uri,
                            "part": part, "decision_loss": asdict(decision), "callbacks": list(callbacks),
                            "relay": relay_handle},
         scaling_config=scaling,
