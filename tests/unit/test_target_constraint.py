@@ -101,6 +101,28 @@ def test_a_role_word_ending_the_text_counts_as_a_word():
     assert valid_target_prefix(q + "name?", G) and valid_target_prefix(q[:-1], G)  # written as " username"
 
 
+def test_turns_older_than_the_history_window_cannot_be_named():
+    h = [Turn(role="user" if i % 2 == 0 else "assistant", text=f"turn {i}") for i in range(6)]
+    g = grammar_for(h, "and that one?", [Passage(id="p1", text="x")], first_turn=4)
+    assert g.turns == ("4", "5")
+    assert valid_target_prefix(GROUNDING_HEAD + "4,5 passages=p1\n", g) and valid_target_prefix(GROUNDING_HEAD + "none", g)
+    assert not valid_target_prefix(GROUNDING_HEAD + "0", g) and not valid_target_prefix(GROUNDING_HEAD + "3", g)
+
+
+def test_the_engine_constrains_grounding_to_the_turns_its_prompt_shows(tiny_model_dir):
+    from dataclasses import replace
+
+    from clarifier.engine.inference import ClarifierEngine
+
+    engine = ClarifierEngine.from_base(str(tiny_model_dir), max_new_tokens=8)
+    engine.opts = replace(engine.opts, max_history_turns=2)
+    h = [Turn(role="user" if i % 2 == 0 else "assistant", text=f"turn {i}") for i in range(5)]
+    items = [(h, "which?", []), (h[:1], "which?", [])]
+    enc = engine._encode([engine._prompt(*it) for it in items])
+    [constraint] = engine._target_constraint(enc, items)
+    assert [g.turns for g in constraint.rows] == [("3", "4"), ("0",)]
+
+
 def test_role_phrases_in_the_conversation_itself_are_allowed():
     g = TargetGrammar.for_request(3, ["p1"], context="How do I add the user to sudoers?")
     assert valid_target_prefix(LINE + "question: Which is the user you mean?", g)

@@ -82,8 +82,9 @@ def _apply_template(tokenizer, user: str) -> str:
     return f"{_bos_text(tokenizer)}{SYSTEM_PROMPT}\n\n{user}\n\nReply:\n"
 
 
-def _window_start(history: list, opts: PromptOptions) -> int:
-    """Index of the first history turn ``opts.max_history_turns`` lets the prompt show."""
+def first_shown_turn(history: list, opts: PromptOptions) -> int:
+    """Index of the first history turn ``opts.max_history_turns`` lets the prompt show (the token budget
+    may drop more)."""
     if opts.max_history_turns is None:
         return 0
     return max(0, len(history) - opts.max_history_turns)
@@ -105,12 +106,12 @@ def render_prompts(tokenizer, items, opts: PromptOptions | None = None) -> list[
     those over ``max_prompt_tokens`` drop their oldest turns one at a time."""
     opts = opts or PromptOptions()
     items = [(list(h), q, list(p or ())) for h, q, p in items]
-    texts = [_apply_template(tokenizer, render_user_message(h, q, p, opts, _window_start(h, opts)))
+    texts = [_apply_template(tokenizer, render_user_message(h, q, p, opts, first_shown_turn(h, opts)))
              for h, q, p in items]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     out = []
     for (history, query, passages), text, tids in zip(items, texts, ids):
-        first = _window_start(history, opts)
+        first = first_shown_turn(history, opts)
         while len(tids) > opts.max_prompt_tokens and first < len(history):
             first += 1
             text = _apply_template(tokenizer, render_user_message(history, query, passages, opts, first))

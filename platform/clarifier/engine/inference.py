@@ -33,7 +33,7 @@ from clarifier.engine.decision_head import POOLINGS, DecisionHead
 from clarifier.engine.target_constraint import TargetConstraint, grammar_for, vocab_index
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from clarifier.engine.precision import place, resolve_precision, torch_dtype
-from clarifier.core.prompt import PromptOptions, render_prompt
+from clarifier.core.prompt import PromptOptions, first_shown_turn, render_prompt
 from clarifier.core.schema import ClarifyRequest, ClarifyResponse, Grounding, Usage
 from clarifier.core.target import ANSWER, CLARIFY, DECISION_PREFIX, try_parse_target
 
@@ -372,7 +372,8 @@ class ClarifierEngine:
         if not self.constrain_target:
             return None
         return LogitsProcessorList([TargetConstraint(
-            self.tok, enc["input_ids"].shape[1], [grammar_for(h, q, p) for h, q, p in items], self.max_new_tokens,
+            self.tok, enc["input_ids"].shape[1],
+            [grammar_for(h, q, p, first_shown_turn(h, self.opts)) for h, q, p in items], self.max_new_tokens,
             written)])
 
     def clarify(self, requests: list[ClarifyRequest], threshold: float | None = None) -> list[ClarifyResponse]:

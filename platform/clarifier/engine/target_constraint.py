@@ -14,7 +14,8 @@ The grammar of what is generated after ``decision: clarify\\n`` (``target.render
     grounding: turns=(none | I(,I)*) passages=(none | P(,P)*)\\n
     question: Q<eos>
 
-* I: a distinct turn index < len(history); P: a distinct passage id of the request.
+* I: a distinct turn index < len(history) that the prompt shows (not older than its history window); P: a
+  distinct passage id of the request.
 * Q: one line of plain text, written right after one space (``question: Which one?``) with at least
   ``MIN_QUESTION_CHARS`` non-space characters; no line break or control character, none of the
   target syntax ``QUESTION_SYNTAX`` (``|``, ``turns=``, ``passages=``, ``decision:``, ``grounding:``,
@@ -103,11 +104,13 @@ class TargetGrammar:
     blocked_roles: tuple[str, ...] = ROLE_PHRASES
 
     @classmethod
-    def for_request(cls, history_len: int, passage_ids, context: str = "") -> "TargetGrammar":
-        """``context``: the request's own text; role phrases that occur in it are not blocked."""
+    def for_request(cls, history_len: int, passage_ids, context: str = "", first_turn: int = 0) -> "TargetGrammar":
+        """``context``: the request's own text; role phrases that occur in it are not blocked. ``first_turn``: the
+        first history turn the prompt shows (``model.max_history_turns``): older ones cannot be named."""
         ctx = _norm(context)
         blocked = tuple(p for p in ROLE_PHRASES if not _role_regex([p]).search(ctx))
-        return cls(tuple(str(i) for i in range(max(history_len, 0))), tuple(str(p) for p in passage_ids), blocked)
+        return cls(tuple(str(i) for i in range(max(first_turn, 0), max(history_len, 0))),
+                   tuple(str(p) for p in passage_ids), blocked)
 
     @cached_property
     def role_re(self) -> re.Pattern | None:
@@ -117,11 +120,12 @@ class TargetGrammar:
         return self.role_re is not None and self.role_re.search(_norm(question)) is not None
 
 
-def grammar_for(history, query: str, passages) -> TargetGrammar:
-    """The grammar of an engine item ``(history, query, passages)`` (``Turn`` / ``Passage`` objects)."""
+def grammar_for(history, query: str, passages, first_turn: int = 0) -> TargetGrammar:
+    """The grammar of an engine item ``(history, query, passages)`` (``Turn`` / ``Passage`` objects) whose
+    prompt shows the history from ``first_turn`` on."""
     passages = list(passages or [])
     context = "\n".join([t.text for t in history] + [query] + [p.text for p in passages])
-    return TargetGrammar.for_request(len(history), [p.id for p in passages], context)
+    return TargetGrammar.for_request(len(history), [p.id for p in passages], context, first_turn)
 
 
 @dataclass(frozen=True)
