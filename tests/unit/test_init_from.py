@@ -59,3 +59,16 @@ def test_workers_get_absolute_local_paths_and_uris_unchanged(tmp_path, monkeypat
             ["model"]["init_from"] == uri
     assert worker_config(build_config({"data": {"output": "s3://b/data"}}, []))["data"]["output"] == "s3://b/data"
     assert cfg.data.output == "runs/data"  # the driver's own config is unchanged
+
+
+def test_training_refuses_data_tokenised_with_another_history_window(tmp_path):
+    import json
+
+    from clarifier.core.config import build_config
+    from clarifier.train.trainer import train
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"config": {"tokenizer": {"max_history_turns": None}}}))
+    cfg = build_config({"data": {"output": str(tmp_path)}}, ["model.max_history_turns=4"])
+    with pytest.raises(ValueError, match=r"tokenised with model.max_history_turns=None but this run has "
+                                         r"model.max_history_turns=4: run `clarifier data prepare`"):
+        train(cfg)
