@@ -106,12 +106,12 @@ def render_prompts(tokenizer, items, opts: PromptOptions | None = None) -> list[
     those over ``max_prompt_tokens`` drop their oldest turns one at a time."""
     opts = opts or PromptOptions()
     items = [(list(h), q, list(p or ())) for h, q, p in items]
-    texts = [_apply_template(tokenizer, render_user_message(h, q, p, opts, first_shown_turn(h, opts)))
-             for h, q, p in items]
+    firsts = [first_shown_turn(h, opts) for h, _, _ in items]
+    texts = [_apply_template(tokenizer, render_user_message(h, q, p, opts, first))
+             for (h, q, p), first in zip(items, firsts)]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     out = []
-    for (history, query, passages), text, tids in zip(items, texts, ids):
-        first = first_shown_turn(history, opts)
+    for (history, query, passages), text, tids, first in zip(items, texts, ids, firsts):
         while len(tids) > opts.max_prompt_tokens and first < len(history):
             first += 1
             text = _apply_template(tokenizer, render_user_message(history, query, passages, opts, first))
