@@ -85,9 +85,10 @@ def portable_config(cfg: ClarifierConfig, progress: Callable[[str], None] = prin
         v = getattr(getattr(cfg, section), key)
         if v and absolute_path(v) != v:
             upd.setdefault(section, {})[key] = absolute_path(v)
-    mu = cfg.audit.model_uri
-    if mu and Path(mu).expanduser().exists() and absolute_path(mu) != mu:
-        upd.setdefault("audit", {})["model_uri"] = absolute_path(mu)
+    for section, key in (("audit", "model_uri"), ("model", "init_from")):  # a folder, or a URI left as it is
+        v = getattr(getattr(cfg, section), key)
+        if v and Path(v).expanduser().exists() and absolute_path(v) != v:
+            upd.setdefault(section, {})[key] = absolute_path(v)
     bm = cfg.model.base_model
     if Path(bm).expanduser().exists() and absolute_path(bm) != bm:
         upd.setdefault("model", {})["base_model"] = absolute_path(bm)

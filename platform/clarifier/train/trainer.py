@@ -305,20 +305,12 @@ def train_dataset(cfg: ClarifierConfig):
 
 
 def worker_config(cfg: ClarifierConfig) -> dict:
-    """``cfg`` as the workers get it: local relative paths they read (``data.output`` for the learning curve,
-    ``model.cache_dir``, a folder in ``model.init_from``) made absolute here, since Ray Train runs each worker
-    in its own directory (before this, the recipe's relative ``data.output`` turned its learning curve off)."""
-    d = cfg.model_dump(mode="json")
+    """``cfg`` as the workers get it: local relative paths made absolute (``runtime.submit.portable_config``, as
+    for a submitted job), since Ray Train runs each worker in its own directory (before this, the recipe's
+    relative ``data.output`` turned its learning curve off)."""
+    from clarifier.runtime.submit import portable_config
 
-    def absolute(value: str | None, must_exist: bool = False) -> str | None:
-        if not value or storage.is_s3(value) or ":" in value or (must_exist and not Path(value).exists()):
-            return value  # a URI (s3://, models:/, runs:/, builtin:, hf ids stay as they are)
-        return str(Path(value).expanduser().resolve())
-
-    d["data"]["output"] = absolute(d["data"]["output"])
-    d["model"]["cache_dir"] = absolute(d["model"]["cache_dir"])
-    d["model"]["init_from"] = absolute(d["model"]["init_from"], must_exist=True)
-    return d
+    return portable_config(cfg, progress=lambda _message: None).model_dump(mode="json")
 
 
 def _fit(cfg: ClarifierConfig, part: str | None, run_id: str, tracking_uri: str | None, decision, ray_name: str,
