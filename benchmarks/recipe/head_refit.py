@@ -8,13 +8,15 @@
     #   --save-model DIR --recipe-result benchmarks/results/recipe-joint-public.json
     # v3.2's head: the same states with the prompt showing only the latest 4 history turns (model.max_history_turns;
     # the saved model records it):  --head v3.1=last+mean:all --head v3.2=last+mean:all:4
+    # v3.3's: v3.2's states, standardised features clipped at 1 sd (train.decision_head.clip), strengths up to 0.1:
+    #   --head v3.2=last+mean:all:4 --head v3.3=last+mean:all:4:1 --c-grid 1e-4,3e-4,1e-3,3e-3,1e-2,3e-2,0.1
 
 The decision head (:mod:`clarifier.engine.decision_head`) is a logistic regression on hidden states of four
 layers; the recipe (`train.decision_head`) fits it on up to ``max_per_source`` train turns per source (half
 needing a question), source- and class-balanced, its strength chosen on the dev split. This script computes
 the model's states once (every train turn, the dev split, the whole test split; at the last position and
 averaged over the prompt; once per history window the heads name) and fits every
-``--head NAME=POOLING:MAX_PER_SOURCE[:WINDOW]`` with that same procedure
+``--head NAME=POOLING:MAX_PER_SOURCE[:WINDOW[:CLIP]]`` with that same procedure
 (:func:`clarifier.train.decision_head.fit_on_features`); the first head is the reference. Only then are the
 test turns scored: on the recipe benchmark's evaluation set (the seeded test sample of ``joint-public``: 100
 turns per source, 30% needing a question; fingerprint recorded) and on the whole test split, each with the
@@ -35,19 +37,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import write_result  # noqa: E402
 
 
-def parse_head(spec: str) -> tuple[str, list[str], int | None, int | None]:
-    """``NAME=POOLING:MAX_PER_SOURCE[:WINDOW]`` (``v3.2=last+mean:all:4``) -> ``(name, pooling, cap or None,
-    window or None)``; WINDOW: the prompt shows the latest WINDOW history turns (``model.max_history_turns``)."""
+def parse_head(spec: str) -> tuple[str, list[str], int | None, int | None, float | None]:
+    """``NAME=POOLING:MAX_PER_SOURCE[:WINDOW[:CLIP]]`` (``v3.3=last+mean:all:4:1``) -> ``(name, pooling, cap or
+    None, window or None, clip or None)``; WINDOW: the prompt shows the latest WINDOW history turns
+    (``model.max_history_turns``; ``all``: the model's own prompt); CLIP: standardised features limited to
+    [-CLIP, CLIP] (``train.decision_head.clip``)."""
     try:
         name, rest = spec.split("=", 1)
-        pooling, cap, *window = rest.split(":")
-        if len(window) > 1:
+        pooling, cap, *more = rest.split(":")
+        if len(more) > 2:
+            raise ValueError(spec)
+        window, clip = more + ["all", "none"][len(more):]
+        clip = None if clip == "none" else float(clip)
+        if clip is not None and not clip > 0:
             raise ValueError(spec)
         return (name, pooling.split("+"), None if cap == "all" else int(cap),
-                int(window[0]) if window and window[0] != "all" else None)
+                None if window == "all" else int(window), clip)
     except ValueError:
-        raise SystemExit(f"--head {spec!r}: expected NAME=POOLING:MAX_PER_SOURCE[:WINDOW], e.g. v3.1=last+mean:all or "
-                         "v3.2=last+mean:all:4") from None
+        raise SystemExit(f"--head {spec!r}: expected NAME=POOLING:MAX_PER_SOURCE[:WINDOW[:CLIP]], e.g. "
+                         "v3.1=last+mean:all, v3.2=last+mean:all:4 or v3.3=last+mean:all:4:1") from None
 
 
 def main() -> None:
@@ -55,9 +63,12 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="the recipe benchmark's data-job output (train, dev and test splits)")
     ap.add_argument("--model", default="builtin:clarifier-smollm2-135m")
     ap.add_argument("--head", action="append", default=None,
-                    help="NAME=POOLING:MAX_PER_SOURCE[:WINDOW] (POOLING last, mean or last+mean; MAX_PER_SOURCE a number or "
-                         "all; WINDOW: the prompt shows only the latest WINDOW history turns, default the model's "
-                         "own); repeatable, the first is the reference (default: v3=last:600 v3.1=last+mean:all)")
+                    help="NAME=POOLING:MAX_PER_SOURCE[:WINDOW[:CLIP]] (POOLING last, mean or last+mean; MAX_PER_SOURCE a "
+                         "number or all; WINDOW: the prompt shows only the latest WINDOW history turns, all (default): "
+                         "the model's own; CLIP: standardised features limited to [-CLIP, CLIP], none (default): no "
+                         "limit); repeatable, the first is the reference (default: v3=last:600 v3.1=last+mean:all)")
+    ap.add_argument("--c-grid", default=None,
+                    help="comma-separated inverse L2 strengths tried for every head (default: the config's c_grid)")
     ap.add_argument("--eval-per-source", type=int, default=100)
     ap.add_argument("--eval-clarify-share", type=float, default=0.3)
     ap.add_argument("--max-over-asking", type=float, default=0.1, help="the threshold rule, on dev")
@@ -82,11 +93,12 @@ def main() -> None:
     from clarifier.engine.decision_head import check_pooling, resolve_layers
     from clarifier.engine.loading import load_engine
     from clarifier.evaluation.evaluate import fingerprint_examples
-    from clarifier.train.decision_head import fit_on_features, hidden_features
+    from clarifier.train.decision_head import fit_on_features, head_scores, hidden_features
 
     t0 = time.time()
-    cfg = DecisionHeadConfig()
-    for _, pooling, _, _ in heads:
+    cfg = DecisionHeadConfig(**({} if args.c_grid is None else
+                                 {"c_grid": [float(c) for c in args.c_grid.split(",") if c.strip()]}))
+    for _, pooling, _, _, _ in heads:
         check_pooling(pooling)
     splits = {name: load_split(args.data, name) for name in ("train", "dev", "test")}
     eval_set = sample_by_source(splits["test"], args.eval_per_source, args.seed, args.eval_clarify_share)
@@ -99,7 +111,7 @@ def main() -> None:
     dim = len(layers) * engine.model.config.hidden_size  # the engine's features: every layer's last, then mean
     cache = Path(args.features) if args.features else None
     feats = dict(np.load(cache)) if cache and cache.is_file() else {}
-    # keys: the split's name ("train"; the model's own prompt) or "train@w4" (a window of 4 history turns)
+    # keys: the split's name ("train"; the whole history) or "train@w4" (a window of 4 history turns)
     cached = sorted(k for k in feats if not k.endswith("_ids"))  # states a previous run of the same data computed
     for key in cached:
         name = key.split("@")[0]
@@ -109,6 +121,7 @@ def main() -> None:
             raise SystemExit(f"--features {cache}: its {key} states {why}; delete it or name another file")
 
     def states(name, window=None):
+        window = own_opts.max_history_turns if window is None else window  # the key names the prompt's window
         key = name if window is None else f"{name}@w{window}"
         if key not in feats:
             engine.opts = own_opts if window is None else replace(own_opts, max_history_turns=window)
@@ -125,12 +138,13 @@ def main() -> None:
 
     row_of = {name: {e.id: i for i, e in enumerate(rows)} for name, rows in splits.items()}
     fits = {}
-    for head_name, pooling, cap, window in heads:  # every head is fixed before the test split is read
+    for head_name, pooling, cap, window, clip in heads:  # every head is fixed before the test split is read
         train = splits["train"] if cap is None else sample_by_source(splits["train"], cap, args.seed, clarify_share=0.5)
         x_train = columns(states("train", window)[[row_of["train"][e.id] for e in train]], pooling)
-        fit = fit_on_features(x_train, train, columns(states("dev", window), pooling), splits["dev"], cfg.c_grid)
+        fit = fit_on_features(x_train, train, columns(states("dev", window), pooling), splits["dev"], cfg.c_grid, clip)
         fits[head_name] = {**fit, "pooling": pooling, "n_train": len(train), "window": window}
-        shown = "" if window is None else f", latest {window} history turns"
+        shown = ("" if window is None else f", latest {window} history turns") + (
+            "" if clip is None else f", clipped at {clip:g} sd")
         print(f"[refit] {head_name} ({'+'.join(pooling)}, {len(train)} train turns{shown}): C={fit['c']:g}, "
               f"dev within-source AUROC {fit['dev_macro_auroc']:.3f}", flush=True)
 
@@ -140,11 +154,11 @@ def main() -> None:
         systems[set_name] = {}
         for head_name, fit in fits.items():
             x = states("test", fit["window"])[[row_of["test"][e.id] for e in rows]]
-            scores = [float(v) for v in fit["model"].predict_proba(fit["scaler"].transform(columns(x, fit["pooling"])))[:, 1]]
+            scores = [float(v) for v in head_scores(fit, columns(x, fit["pooling"]))]
             systems[set_name][head_name] = ([s >= 0.5 for s in scores], scores)
             summary = within_source_summary(gold, scores, src)
             results.setdefault(head_name, {"pooling": fit["pooling"], "n_train": fit["n_train"], "c": fit["c"],
-                                           "max_history_turns": fit["window"],
+                                           "max_history_turns": fit["window"], "clip": fit["clip"],
                                            "dev_macro_auroc": round(fit["dev_macro_auroc"], 4), "tried": fit["tried"]})
             results[head_name][set_name] = summary
             print(f"[refit] {head_name} on the {set_name.replace('_', ' ')} ({len(rows)} turns): mean within-source "
@@ -197,7 +211,7 @@ def save_model(args, engine, fit, layers, cfg, splits, eval_set, head_name) -> d
              "date": time.strftime("%Y-%m-%d")}
     prompt = meta.prompt if fit["window"] is None else {**(meta.prompt or {}), "max_history_turns": fit["window"]}
     write_meta(dst, replace(meta, prompt=prompt, decision_head={
-        "layers": layers, "layer_fractions": list(cfg.layers), "pooling": fit["pooling"], "c": fit["c"],
+        "layers": layers, "layer_fractions": list(cfg.layers), "pooling": fit["pooling"], "clip": fit["clip"], "c": fit["c"],
         "n_train": fit["n_train"], "n_dev": len(splits["dev"]), "dev_macro_auroc": fit["dev_macro_auroc"],
         # the same model's decision tokens on the same dev split: unchanged by a refit
         "dev_macro_auroc_token": (meta.decision_head or {}).get("dev_macro_auroc_token"),

@@ -56,6 +56,45 @@ def test_standardisation_folds_into_one_affine_map(tmp_path):
         DecisionHead.load(tmp_path)
 
 
+def test_clipped_head_limits_each_standardised_feature_and_survives_saving(tmp_path):
+    import torch
+
+    from clarifier.engine.decision_head import HEAD_FILE, DecisionHead
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 6, generator=g) * 3 + 1
+    x[0, 2] = 500.0  # one extreme activation
+    coef, mean, scale = torch.randn(6, generator=g), x.mean(0), x.std(0)
+    head = DecisionHead.from_standardised([1, 2], coef, -0.2, mean, scale, clip=1.0)
+    z = ((x - mean) / scale).clamp(-1, 1)
+    expected = torch.sigmoid(z @ coef - 0.2)
+    assert torch.allclose(head.probability(x), expected, atol=1e-5)
+    # the extreme feature counts as 1 sd, not as hundreds: the same score as at 1 sd exactly
+    at_one = x[:1].clone()
+    at_one[0, 2] = mean[2] + scale[2]
+    assert torch.allclose(head.probability(x[:1]), head.probability(at_one), atol=1e-6)
+    unclipped = DecisionHead.from_standardised([1, 2], coef, -0.2, mean, scale)
+    assert not torch.allclose(unclipped.probability(x[:1]), head.probability(x[:1]), atol=1e-3)
+
+    head.save(tmp_path)
+    back = DecisionHead.load(tmp_path)
+    assert back.clip == 1.0 and torch.allclose(back.probability(x), expected, atol=1e-5)
+    back.check(2, 3)
+    with pytest.raises(ValueError, match="clip must be positive"):
+        DecisionHead.from_standardised([1], coef, 0.0, mean, scale, clip=0.0)
+
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.zeros(6), "bias": torch.zeros(1)}, str(tmp_path / HEAD_FILE),
+              metadata={"layers": "[1, 2]", "clip": "1.0"})
+    with pytest.raises(ValueError, match=r"a clipped head \(clip 1.0\) needs its mean and scale tensors"):
+        DecisionHead.load(tmp_path)
+    save_file({"weight": torch.zeros(6), "bias": torch.zeros(1), "mean": torch.zeros(4), "scale": torch.ones(4)},
+              str(tmp_path / HEAD_FILE), metadata={"layers": "[1, 2]", "clip": "1.0"})
+    with pytest.raises(ValueError, match=r"its mean \(4\) and scale \(4\) do not match its 6 weights"):
+        DecisionHead.load(tmp_path).check(2, 3)
+
+
 def test_balanced_weights_give_every_source_and_class_the_same_total():
     from clarifier.train.decision_head import balanced_weights
 
@@ -126,6 +165,29 @@ def test_fitted_head_is_saved_and_decides_for_the_engine(tiny_model_dir, tmp_pat
     out = engine.clarify([ClarifyRequest(history=e.history, query=e.query) for e in dev[:2]], threshold=0.99)
     assert [r.confidence for r in out] == pytest.approx([1 / (1 + math.exp(-5))] * 2, abs=1e-6)
     assert all(r.usage.completion_tokens > 0 for r in out)  # both were decoded past the decision
+
+
+def test_clipped_head_is_fitted_recorded_and_applied_by_the_engine(tiny_model_dir, tmp_path):
+    from clarifier.core.config import DecisionHeadConfig, build_config
+    from clarifier.engine.inference import read_meta
+    from clarifier.engine.loading import load_engine
+    from clarifier.train.decision_head import fit_decision_head
+    from support.adapters import untrained_adapter
+
+    folder = untrained_adapter(tiny_model_dir, tmp_path / "m", threshold=0.5)
+    dev, lines = _examples(16, "d"), []
+    summary = fit_decision_head(folder, _examples(32, "t"), dev, DecisionHeadConfig(
+        layers=[1.0], max_per_source=None, c_grid=[1.0], clip=0.5), precision="fp32", progress=lines.append)
+    assert summary["clip"] == 0.5 and read_meta(folder).decision_head["clip"] == 0.5
+    assert any("features clipped at 0.5 sd" in line for line in lines)
+    engine = load_engine(folder, precision="fp32")
+    assert engine.decision_head.clip == 0.5
+    assert engine.score([(e.history, e.query, e.passages) for e in dev]) == pytest.approx(summary["dev_scores"], abs=1e-4)
+    assert build_config({}, ["train.decision_head.clip=1"]).train.decision_head.clip == 1.0
+    from clarifier.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="clip"):
+        build_config({}, ["train.decision_head.clip=0"])
 
 
 def test_head_without_a_cap_reads_every_train_turn(tiny_model_dir, tmp_path):

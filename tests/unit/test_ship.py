@@ -128,3 +128,6 @@ def test_card_says_when_the_head_was_refitted_and_how_it_pools():
     assert card["recipe"] == "clarifier/recipes/configs/joint-public.yaml"  # not the checkout it ran in
     assert ("from the decision tokens); refitted on the trained adapter's states 2026-12-05 by "
             "`benchmarks/recipe/head_refit.py` (git abc).") in card_markdown(card)
+    meta.decision_head = {**head, "clip": 1.0}
+    assert ("averaged over the prompt, standardised and clipped at 1 sd, C=0.01"
+            in card_markdown(model_card("m", meta, RESULT, "joint")))

@@ -283,6 +283,10 @@ class DecisionHeadConfig(_Strict):
                                "source has enough); null: every train example.")
     c_grid: list[float] = Field([1e-4, 3e-4, 1e-3, 3e-3, 1e-2], min_length=1,
                                 description="Inverse L2 strengths tried (on standardised features).")
+    clip: float | None = Field(
+        None, gt=0, description="Limit every standardised feature to [-clip, clip] standard deviations before the "
+                                "regression (in fitting and when the engine applies the head), so that a few extreme "
+                                "activations cannot swing the decision; null: no limit.")
     batch_size: int = Field(8, ge=1)
 
     @field_validator("layers")

@@ -14,6 +14,10 @@ states concatenated -- every layer's ``last`` states, then every layer's ``mean`
 standardisation folded in) and ``bias``, with the hidden-state indexes in the file's metadata
 (``layers``: 0 = the embeddings, ``num_hidden_layers`` = the last layer after the final norm, as
 ``output_hidden_states`` numbers them) and ``pooling`` (absent in heads saved before it: ``["last"]``).
+A head fitted on *clipped* standardised features (``train.decision_head.clip``: every feature limited to
+``[-clip, clip]`` standard deviations, so a few extreme activations of a long or unusual prompt cannot
+swing the decision) cannot fold the standardisation in: its file also holds ``mean`` and ``scale`` and
+its metadata ``clip``, and ``weight`` applies to the clipped standardised features.
 ``clarifier.json`` records how it was fitted.
 """
 
@@ -49,20 +53,32 @@ class DecisionHead:
     weight: Any  # torch.FloatTensor [len(pooling) * len(layers) * hidden]
     bias: float
     pooling: list[str] = field(default_factory=lambda: ["last"])
+    # clipped heads only: weight applies to clamp((x - mean) / scale, -clip, clip)
+    clip: float | None = None
+    mean: Any = None
+    scale: Any = None
 
     def probability(self, feats):
         """P(clarify) for ``[batch, dim]`` features (float32)."""
         import torch
 
+        if self.clip is not None:
+            feats = ((feats - self.mean) / self.scale).clamp(-self.clip, self.clip)
         return torch.sigmoid(feats @ self.weight + self.bias)
 
     @classmethod
     def from_standardised(cls, layers: Sequence[int], coef, intercept: float, mean, scale,
-                          pooling: Sequence[str] = ("last",)) -> "DecisionHead":
-        """A head fitted on standardised features ``(x - mean) / scale``, folded into one affine map."""
+                          pooling: Sequence[str] = ("last",), clip: float | None = None) -> "DecisionHead":
+        """A head fitted on standardised features ``(x - mean) / scale`` (clipped to ``[-clip, clip]`` when
+        ``clip`` is set); without clipping the standardisation is folded into one affine map."""
         import torch
 
         coef, mean, scale = (torch.as_tensor(v, dtype=torch.float64) for v in (coef, mean, scale))
+        if clip is not None:
+            if not clip > 0:
+                raise ValueError(f"decision head clip must be positive; got {clip}")
+            return cls(list(layers), coef.float(), float(intercept), check_pooling(pooling), float(clip),
+                       mean.float(), scale.float())
         w = coef / scale
         return cls(list(layers), w.float(), float(intercept - (w * mean).sum()), check_pooling(pooling))
 
@@ -70,8 +86,12 @@ class DecisionHead:
         from safetensors.torch import save_file
 
         path = Path(folder) / HEAD_FILE
-        save_file({"weight": self.weight.contiguous(), "bias": self.weight.new_tensor([self.bias])}, str(path),
-                  metadata={"layers": json.dumps(self.layers), "pooling": json.dumps(self.pooling)})
+        tensors = {"weight": self.weight.contiguous(), "bias": self.weight.new_tensor([self.bias])}
+        meta = {"layers": json.dumps(self.layers), "pooling": json.dumps(self.pooling)}
+        if self.clip is not None:
+            tensors.update(mean=self.mean.contiguous(), scale=self.scale.contiguous())
+            meta["clip"] = json.dumps(self.clip)
+        save_file(tensors, str(path), metadata=meta)
         return path
 
     @classmethod
@@ -86,14 +106,23 @@ class DecisionHead:
             meta = f.metadata() or {}
             layers, pooling = json.loads(meta["layers"]), json.loads(meta.get("pooling", '["last"]'))
             weight, bias = f.get_tensor("weight").float(), float(f.get_tensor("bias")[0])
+            clip = json.loads(meta["clip"]) if "clip" in meta else None
+            names = set(f.keys())
+            if clip is not None and not {"mean", "scale"} <= names:
+                raise ValueError(f"{path}: a clipped head (clip {clip}) needs its mean and scale tensors; it has "
+                                 f"{sorted(names)}")
+            mean, scale = (f.get_tensor("mean").float(), f.get_tensor("scale").float()) if clip is not None else (None, None)
         try:
             pooling = check_pooling(pooling)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
-        return cls([int(i) for i in layers], weight, bias, pooling)
+        return cls([int(i) for i in layers], weight, bias, pooling, clip, mean, scale)
 
     def check(self, num_layers: int, hidden_size: int) -> None:
         """Refuse a head that does not fit the model it is loaded with (naming both shapes)."""
         if max(self.layers) > num_layers or self.weight.numel() != len(self.pooling) * len(self.layers) * hidden_size:
             raise ValueError(f"{HEAD_FILE} reads layers {self.layers} pooled {'+'.join(self.pooling)} "
                              f"({self.weight.numel()} features) but the model has {num_layers} layers of {hidden_size}")
+        if self.clip is not None and not self.mean.numel() == self.scale.numel() == self.weight.numel():
+            raise ValueError(f"{HEAD_FILE}: its mean ({self.mean.numel()}) and scale ({self.scale.numel()}) do not "
+                             f"match its {self.weight.numel()} weights")

@@ -95,7 +95,7 @@ def model_card(name: str, meta, result: dict | None, row: str) -> dict:
             "base_model": meta.base_model, "base_model_license": BASE_LICENSES.get(meta.base_model, "see the base model"),
             "finetune": meta.finetune, "trained_precision": meta.precision, "threshold": meta.threshold,
             "prompt": meta.prompt,
-            "decision_head": ({k: meta.decision_head.get(k) for k in ("layers", "pooling", "c", "n_train", "n_dev", "dev_macro_auroc",
+            "decision_head": ({k: meta.decision_head.get(k) for k in ("layers", "pooling", "clip", "c", "n_train", "n_dev", "dev_macro_auroc",
                                                                        "dev_macro_auroc_token", "refit")}
                               if meta.decision_head else None)}
     if not result:
@@ -141,8 +141,9 @@ def card_markdown(c: dict) -> str:
     refit = (h or {}).get("refit")
     refitted = (f"; refitted on the trained adapter's states {refit['date']} by `{refit['script']}` (git {refit['git']})."
                 if refit else ".")
-    lines.append(f"- Decision: a decision head (logistic regression on the hidden states of layers {h['layers']} {where}, "
-                 f"C={h['c']:g}, fitted on {h['n_train']} train turns; dev within-source AUROC "
+    clipped = f", standardised and clipped at {h['clip']:g} sd" if (h or {}).get("clip") is not None else ""
+    lines.append(f"- Decision: a decision head (logistic regression on the hidden states of layers {h['layers']} {where}"
+                 f"{clipped}, C={h['c']:g}, fitted on {h['n_train']} train turns; dev within-source AUROC "
                  f"{_f(h['dev_macro_auroc'])} vs {_f(h['dev_macro_auroc_token'])} from the decision tokens){refitted}"
                  if h else "- Decision: from the two decision-token logits.")
     if "recipe" not in c:

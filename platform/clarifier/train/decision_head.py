@@ -7,7 +7,8 @@ one forward pass per example gives its hidden states at the decision position (a
 enough; null: the whole split) and for the whole calibration split. A logistic regression (scikit-learn) is fitted
 on the standardised states, every source and class weighing the same (as ``train.balance:
 source_class`` draws them), once per strength in ``c_grid``; the strength with the best mean
-within-source AUROC on the calibration split is kept. Its dev scores are returned so the threshold is
+within-source AUROC on the calibration split is kept. With ``clip`` the standardised features are first
+limited to ``[-clip, clip]`` (in training and when the engine applies the head). Its dev scores are returned so the threshold is
 calibrated on them without scoring the split again.
 """
 
@@ -60,11 +61,25 @@ def hidden_features(engine, examples, layers, batch_size: int, label: str, progr
     return token, x
 
 
-def fit_on_features(x_train, train: list, x_dev, dev: list, c_grid) -> dict:
-    """The head's regression on features already computed (rows in ``train`` / ``dev`` order): standardised,
-    every source and class weighing the same, one fit per strength in ``c_grid``; the one with the best mean
-    within-source AUROC on ``dev`` is kept. Returns ``model``, ``scaler``, ``c``, ``dev_macro_auroc``,
-    ``dev_scores`` and every strength ``tried``."""
+def standardised(fit: dict, x):
+    """``x``'s features as :func:`fit_on_features`' regression reads them (standardised, clipped when the
+    fit clips)."""
+    import numpy as np
+
+    z = fit["scaler"].transform(x)
+    return z if fit.get("clip") is None else np.clip(z, -fit["clip"], fit["clip"])
+
+
+def head_scores(fit: dict, x):
+    """P(clarify) of a :func:`fit_on_features` result for features ``x``."""
+    return fit["model"].predict_proba(standardised(fit, x))[:, 1]
+
+
+def fit_on_features(x_train, train: list, x_dev, dev: list, c_grid, clip: float | None = None) -> dict:
+    """The head's regression on features already computed (rows in ``train`` / ``dev`` order): standardised
+    (and clipped to ``[-clip, clip]`` when ``clip`` is set), every source and class weighing the same, one fit
+    per strength in ``c_grid``; the one with the best mean within-source AUROC on ``dev`` is kept. Returns
+    ``model``, ``scaler``, ``clip``, ``c``, ``dev_macro_auroc``, ``dev_scores`` and every strength ``tried``."""
     import numpy as np
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
@@ -72,7 +87,7 @@ def fit_on_features(x_train, train: list, x_dev, dev: list, c_grid) -> dict:
     y = np.array([e.needs_clarification for e in train])
     weights = balanced_weights([source_of(e) for e in train], list(y))
     scaler = StandardScaler().fit(x_train)
-    xs_train, xs_dev = scaler.transform(x_train), scaler.transform(x_dev)
+    xs_train, xs_dev = (standardised({"scaler": scaler, "clip": clip}, x) for x in (x_train, x_dev))
     dev_gold, dev_sources = [e.needs_clarification for e in dev], [source_of(e) for e in dev]
     tried, best = [], None
     for c in c_grid:
@@ -83,7 +98,8 @@ def fit_on_features(x_train, train: list, x_dev, dev: list, c_grid) -> dict:
         if best is None or (macro or 0.0) > (best[0] or 0.0):
             best = (macro, c, lr, scores)
     macro, c, lr, scores = best
-    return {"model": lr, "scaler": scaler, "c": c, "dev_macro_auroc": macro, "dev_scores": scores, "tried": tried}
+    return {"model": lr, "scaler": scaler, "clip": clip, "c": c, "dev_macro_auroc": macro, "dev_scores": scores,
+            "tried": tried}
 
 
 def fitted_head(fit: dict, layers: list[int], pooling):
@@ -92,7 +108,7 @@ def fitted_head(fit: dict, layers: list[int], pooling):
 
     lr, scaler = fit["model"], fit["scaler"]
     return DecisionHead.from_standardised(layers, lr.coef_[0], float(lr.intercept_[0]), scaler.mean_, scaler.scale_,
-                                          pooling)
+                                          pooling, fit.get("clip"))
 
 
 def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHeadConfig, *, seed: int = 0,
@@ -109,17 +125,18 @@ def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHead
         if len({e.needs_clarification for e in rows}) < 2:
             raise ValueError(f"decision head: the {name} needs turns of both classes ({len(rows)} examples)")
     layers, pooling = resolve_layers(cfg.layers, engine.model.config.num_hidden_layers), check_pooling(cfg.pooling)
-    progress(f"[head] fitting a decision head on layers {layers} ({'+'.join(pooling)}): {len(train)} train examples "
+    clipped = "" if cfg.clip is None else f", features clipped at {cfg.clip:g} sd"
+    progress(f"[head] fitting a decision head on layers {layers} ({'+'.join(pooling)}{clipped}): {len(train)} train examples "
              f"({sum(e.needs_clarification for e in train)} need a question), {len(dev_examples)} to choose it")
     _, x_train = hidden_features(engine, train, layers, cfg.batch_size, "train", progress, pooling)
     dev_token, x_dev = hidden_features(engine, dev_examples, layers, cfg.batch_size, "dev", progress, pooling)
 
     dev_gold, dev_sources = [e.needs_clarification for e in dev_examples], [source_of(e) for e in dev_examples]
-    fit = fit_on_features(x_train, train, x_dev, dev_examples, cfg.c_grid)
+    fit = fit_on_features(x_train, train, x_dev, dev_examples, cfg.c_grid, cfg.clip)
     macro, c, tried, scores = fit["dev_macro_auroc"], fit["c"], fit["tried"], fit["dev_scores"]
     head = fitted_head(fit, layers, pooling)
     token_macro = within_source_summary(dev_gold, dev_token, dev_sources)["macro_auroc"]
-    summary = {"layers": layers, "layer_fractions": list(cfg.layers), "pooling": pooling, "c": c, "n_train": len(train),
+    summary = {"layers": layers, "layer_fractions": list(cfg.layers), "pooling": pooling, "clip": cfg.clip, "c": c, "n_train": len(train),
                "n_dev": len(dev_examples), "dev_macro_auroc": macro, "dev_macro_auroc_token": token_macro,
                "tried": tried, "precision": engine.precision, "seconds": round(time.time() - t0, 1),
                "dev_scores": [float(s) for s in scores]}
