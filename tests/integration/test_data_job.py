@@ -90,6 +90,7 @@ def test_counts_add_up(job):
     clar = sum(s["clarify"] for s in c["splits"].values())
     assert clar == sum(e.needs_clarification for e in gold.values())
     assert m["config"]["data"]["seed"] == SEED and m["config"]["tokenizer"]["vocab_size"] > 0
+    assert m["config"]["tokenizer"]["target_grounding"] == "shown-turns"  # targets name only turns the prompt shows
     assert m["code"]["clarifier_version"] and m["created_at"] and "row_definition" in m
     assert any("quarantined" in line for line in job["progress"])
     # rows as they pass, summed over the workers (files read; examples tokenised, the final count last)

@@ -90,7 +90,9 @@ def test_history_window_reaches_the_prompt_the_model_folder_and_the_data_check(t
     with pytest.raises(ConfigError, match="model.max_history_turns"):
         build_config({}, ["model.max_history_turns=-1"])
     tokenizer = {"base_model": cfg.model.base_model, "max_prompt_tokens": cfg.model.max_prompt_tokens}
-    for window, current in ((None, False), (6, True)):  # data tokenised without the window must be prepared again
+    # data tokenised without the window, or before targets named only the turns the prompt shows, is prepared again
+    for window, grounding, current in ((None, "shown-turns", False), (6, None, False), (6, "shown-turns", True)):
         (tmp_path / "manifest.json").write_text(json.dumps({"config": {
-            "data": cfg.data.model_dump(mode="json"), "tokenizer": {**tokenizer, "max_history_turns": window}}}))
+            "data": cfg.data.model_dump(mode="json"),
+            "tokenizer": {**tokenizer, "max_history_turns": window, "target_grounding": grounding}}}))
         assert data_is_current(cfg) is current

@@ -56,6 +56,25 @@ def test_encode_masks_prompt_and_weights_segments(tiny_tokenizer):
     assert target == "decision: clarify\ngrounding: turns=0 passages=none\nquestion: The router or the modem?"
 
 
+def test_target_names_only_history_turns_the_prompt_shows(tiny_tokenizer):
+    ex = _ex(turns=8).model_copy(update={"grounding_turns": [1, 5, 7]})
+
+    def grounding(opts):
+        enc = encode_example(ex, tiny_tokenizer, SegmentWeights(), opts, max_length=4096)
+        return tiny_tokenizer.decode(enc["input_ids"][enc["prompt_len"]:], skip_special_tokens=True).split("\n")[1]
+
+    assert grounding(PromptOptions(max_prompt_tokens=10_000)) == "grounding: turns=1,5,7 passages=none"
+    assert grounding(PromptOptions(max_prompt_tokens=10_000, max_history_turns=4)) == "grounding: turns=5,7 passages=none"
+    assert grounding(PromptOptions(max_prompt_tokens=10_000, max_history_turns=1)) == "grounding: turns=7 passages=none"
+    assert grounding(PromptOptions(max_prompt_tokens=10_000, max_history_turns=0)) == "grounding: turns=none passages=none"
+    # the token budget drops turns too: the target follows what the prompt finally shows
+    full = render_prompt(tiny_tokenizer, ex.history, ex.query, ex.passages, PromptOptions(max_prompt_tokens=10_000))
+    budget = PromptOptions(max_prompt_tokens=len(tiny_tokenizer(full)["input_ids"]) - 20)
+    shown = render_prompt(tiny_tokenizer, ex.history, ex.query, ex.passages, budget)
+    assert "[1] assistant:" not in shown and "[5] assistant:" in shown
+    assert grounding(budget) == "grounding: turns=5,7 passages=none"
+
+
 def test_encode_negative_and_truncation(tiny_tokenizer):
     enc = encode_example(_ex(clarify=False), tiny_tokenizer, SegmentWeights(), PromptOptions(), max_length=2048)
     assert set(enc["segment_ids"][enc["prompt_len"]:]) == {SEGMENT_IDS["format"], SEGMENT_IDS["decision"]}

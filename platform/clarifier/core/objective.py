@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clarifier.core.prompt import PromptOptions, render_prompts
+from clarifier.core.prompt import PromptOptions, render_prompts_shown
 from clarifier.core.target import SEGMENTS, example_segments
 
 IGNORE = -100
+# What a target's grounding line may name (recorded in the data job's manifest; data tokenised before
+# targets were cut to the prompt is prepared again): only history turns the prompt shows.
+TARGET_GROUNDING = "shown-turns"
 SEGMENT_IDS = {name: i + 1 for i, name in enumerate(SEGMENTS)}  # 0 = prompt / padding
 
 
@@ -38,7 +41,9 @@ def encode_example(example, tokenizer, weights: SegmentWeights, opts: PromptOpti
 
     The end-of-turn token after the target belongs to the last segment, so the model learns to stop;
     a ``decision_only`` positive (``target.example_segments``) ends at ``decision: clarify\n`` with no
-    end-of-turn token, so it teaches the decision and nothing about where a question ends.
+    end-of-turn token, so it teaches the decision and nothing about where a question ends. The grounding
+    names only history turns the prompt shows (``max_history_turns`` and the token budget drop the oldest):
+    the model cannot be taught to cite a turn it was not given.
     Returns ``truncated=True`` when the sequence had to be cut to ``max_length`` (the target is
     never cut silently: the data job filters such rows with that reason).
     """
@@ -48,12 +53,12 @@ def encode_example(example, tokenizer, weights: SegmentWeights, opts: PromptOpti
 def encode_examples(examples, tokenizer, weights: SegmentWeights, opts: PromptOptions, max_length: int) -> list[dict]:
     """:func:`encode_example` of many Examples: prompts and target segments are tokenised in one
     call each (the per-call overhead of a tokenizer is most of the cost for short texts)."""
-    prompts = render_prompts(tokenizer, [(e.history, e.query, e.passages) for e in examples], opts)
-    pieces = [example_segments(e) for e in examples]
+    prompts = render_prompts_shown(tokenizer, [(e.history, e.query, e.passages) for e in examples], opts)
+    pieces = [example_segments(e, first) for e, (_, _, first) in zip(examples, prompts)]
     flat = [text for ps in pieces for _, text in ps]
     flat_ids = iter(tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else [])
     out = []
-    for (_, prompt_ids), segs, ex in zip(prompts, pieces, examples):
+    for (_, prompt_ids, _), segs, ex in zip(prompts, pieces, examples):
         ids = list(prompt_ids)
         labels = [IGNORE] * len(ids)
         w = [0.0] * len(ids)

@@ -104,6 +104,12 @@ def render_prompts(tokenizer, items, opts: PromptOptions | None = None) -> list[
     """:func:`render_prompt` of many ``(history, query, passages)`` items, with each prompt's token
     ids: the full prompts (at most ``max_history_turns`` of history) are tokenised in one call; only
     those over ``max_prompt_tokens`` drop their oldest turns one at a time."""
+    return [(text, ids) for text, ids, _ in render_prompts_shown(tokenizer, items, opts)]
+
+
+def render_prompts_shown(tokenizer, items, opts: PromptOptions | None = None) -> list[tuple[str, list[int], int]]:
+    """:func:`render_prompts` with, per prompt, the index of the first history turn it shows (after the
+    window and the token budget): a training target names only turns from there on."""
     opts = opts or PromptOptions()
     items = [(list(h), q, list(p or ())) for h, q, p in items]
     firsts = [first_shown_turn(h, opts) for h, _, _ in items]
@@ -116,5 +122,5 @@ def render_prompts(tokenizer, items, opts: PromptOptions | None = None) -> list[
             first += 1
             text = _apply_template(tokenizer, render_user_message(history, query, passages, opts, first))
             tids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        out.append((text, list(tids)))
+        out.append((text, list(tids), first))
     return out

@@ -175,19 +175,21 @@ def try_parse_target(text: str, **kw) -> tuple[JointTarget | None, str | None]:
         return None, str(exc)
 
 
-def example_segments(ex) -> list[tuple[str, str]]:
+def example_segments(ex, first_turn: int = 0) -> list[tuple[str, str]]:
     """The gold target of a ``schema.Example`` as :func:`render_segments` pieces; a ``decision_only``
-    positive (no question known) is only ``decision: clarify`` and its newline."""
+    positive (no question known) is only ``decision: clarify`` and its newline. ``first_turn``: the first
+    history turn the prompt shows; the grounding names none before it."""
     if getattr(ex, "decision_only", False):
         return [("format", DECISION_PREFIX), ("decision", f" {CLARIFY}\n")]
-    return render_segments(target_from_example(ex))
+    return render_segments(target_from_example(ex, first_turn))
 
 
-def target_from_example(ex) -> JointTarget:
-    """The gold JointTarget of a ``schema.Example``."""
+def target_from_example(ex, first_turn: int = 0) -> JointTarget:
+    """The gold JointTarget of a ``schema.Example`` (grounding: only turns from ``first_turn`` on, the ones a
+    prompt that dropped older turns still shows)."""
     return JointTarget(
         needs_clarification=ex.needs_clarification,
         question=ex.clarifying_question,
-        grounding_turns=tuple(ex.grounding_turns),
+        grounding_turns=tuple(i for i in ex.grounding_turns if i >= first_turn),
         grounding_passages=tuple(ex.grounding_passages),
     )

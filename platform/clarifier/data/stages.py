@@ -267,7 +267,9 @@ COUNTS_SCHEMA = pa.schema([
 
 def tokenizer_info(tok, base_model: str, resolved: str, max_prompt_tokens: int,
                    max_history_turns: int | None = None) -> dict:
-    """What the data job's manifest records of the tokenizer it used."""
+    """What the data job's manifest records of the tokenizer it used (and of how targets were cut to the prompt)."""
+    from clarifier.core.objective import TARGET_GROUNDING
+
     return {
         "base_model": base_model,
         "resolved_path": resolved,
@@ -275,6 +277,7 @@ def tokenizer_info(tok, base_model: str, resolved: str, max_prompt_tokens: int,
         "vocab_size": len(tok),
         "max_prompt_tokens": max_prompt_tokens,
         "max_history_turns": max_history_turns,
+        "target_grounding": TARGET_GROUNDING,
         "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
     }
 

@@ -41,7 +41,9 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
 
 
 def data_is_current(cfg: ClarifierConfig) -> bool:
-    """True when ``data.output`` holds a finished data job for exactly this ``data`` config and base model."""
+    """True when ``data.output`` holds a finished data job for exactly this ``data`` config, base model and
+    prompt, whose targets were cut to the prompt as today's are (``objective.TARGET_GROUNDING``)."""
+    from clarifier.core.objective import TARGET_GROUNDING
     from clarifier.data.outputs import read_manifest
 
     try:
@@ -52,7 +54,8 @@ def data_is_current(cfg: ClarifierConfig) -> bool:
     tok = conf.get("tokenizer") or {}
     return (conf.get("data") == cfg.data.model_dump(mode="json") and tok.get("base_model") == cfg.model.base_model
             and tok.get("max_prompt_tokens", cfg.model.max_prompt_tokens) == cfg.model.max_prompt_tokens
-            and tok.get("max_history_turns") == cfg.model.max_history_turns)
+            and tok.get("max_history_turns") == cfg.model.max_history_turns
+            and tok.get("target_grounding") == TARGET_GROUNDING)
 
 
 def prepare_if_needed(cfg: ClarifierConfig, progress: Callable[[str], None] = print, force: bool = False) -> dict:
