@@ -80,6 +80,8 @@ def test_clipped_head_limits_each_standardised_feature_and_survives_saving(tmp_p
     back = DecisionHead.load(tmp_path)
     assert back.clip == 1.0 and torch.allclose(back.probability(x), expected, atol=1e-5)
     back.check(2, 3)
+    on_meta = back.probability(x.to("meta"))  # states on another device (a GPU): the head follows them
+    assert on_meta.device.type == "meta" and back.weight.device.type == "meta" and back.mean.device.type == "meta"
     with pytest.raises(ValueError, match="clip must be positive"):
         DecisionHead.from_standardised([1], coef, 0.0, mean, scale, clip=0.0)
 

@@ -59,9 +59,14 @@ class DecisionHead:
     scale: Any = None
 
     def probability(self, feats):
-        """P(clarify) for ``[batch, dim]`` features (float32)."""
+        """P(clarify) for ``[batch, dim]`` features (float32), on their device (the head follows them there once:
+        a model served on a GPU hands over GPU states)."""
         import torch
 
+        if self.weight.device != feats.device:
+            self.weight = self.weight.to(feats.device)
+            if self.clip is not None:
+                self.mean, self.scale = self.mean.to(feats.device), self.scale.to(feats.device)
         if self.clip is not None:
             feats = ((feats - self.mean) / self.scale).clamp(-self.clip, self.clip)
         return torch.sigmoid(feats @ self.weight + self.bias)
