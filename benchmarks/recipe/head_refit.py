@@ -10,17 +10,21 @@
     # the saved model records it):  --head v3.1=last+mean:all --head v3.2=last+mean:all:4
     # v3.3's: v3.2's states, standardised features clipped at 1 sd (train.decision_head.clip), strengths up to 0.1:
     #   --head v3.2=last+mean:all:4 --head v3.3=last+mean:all:4:1 --c-grid 1e-4,3e-4,1e-3,3e-3,1e-2,3e-2,0.1
+    # passages focused on the conversation (model.passage_focus; the saved model records it):
+    #   --head v3.2=last+mean:all:4 --head focus=last+mean:all:4+focus
 
 The decision head (:mod:`clarifier.engine.decision_head`) is a logistic regression on hidden states of four
 layers; the recipe (`train.decision_head`) fits it on up to ``max_per_source`` train turns per source (half
 needing a question), source- and class-balanced, its strength chosen on the dev split. This script computes
 the model's states once (every train turn, the dev split, the whole test split; at the last position and
-averaged over the prompt; once per history window the heads name) and fits every
-``--head NAME=POOLING:MAX_PER_SOURCE[:WINDOW[:CLIP]]`` with that same procedure
+averaged over the prompt; once per prompt variant the heads name: history window, passage focus) and fits every
+``--head NAME=POOLING:MAX_PER_SOURCE[:WINDOW[+focus][:CLIP]]`` with that same procedure
 (:func:`clarifier.train.decision_head.fit_on_features`); the first head is the reference. Only then are the
 test turns scored: on the recipe benchmark's evaluation set (the seeded test sample of ``joint-public``: 100
 turns per source, 30% needing a question; fingerprint recorded) and on the whole test split, each with the
-paired bootstrap of the mean within-source AUROC against the reference.
+paired bootstrap of the mean within-source AUROC against the reference. ``--dev-only`` stops before that: the
+heads on the dev split they were chosen on (the same paired bootstrap), for exploring without reading the test
+turns; the test split's states are not computed.
 """
 
 from __future__ import annotations
@@ -37,25 +41,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import write_result  # noqa: E402
 
 
-def parse_head(spec: str) -> tuple[str, list[str], int | None, int | None, float | None]:
-    """``NAME=POOLING:MAX_PER_SOURCE[:WINDOW[:CLIP]]`` (``v3.3=last+mean:all:4:1``) -> ``(name, pooling, cap or
-    None, window or None, clip or None)``; WINDOW: the prompt shows the latest WINDOW history turns
-    (``model.max_history_turns``; ``all``: the model's own prompt); CLIP: standardised features limited to
-    [-CLIP, CLIP] (``train.decision_head.clip``)."""
+def parse_head(spec: str) -> tuple[str, list[str], int | None, tuple[int | None, bool], float | None]:
+    """``NAME=POOLING:MAX_PER_SOURCE[:WINDOW[+focus][:CLIP]]`` (``v3.3=last+mean:all:4:1``) -> ``(name, pooling,
+    cap or None, (window or None, focus), clip or None)``; WINDOW: the prompt shows the latest WINDOW history turns
+    (``model.max_history_turns``; ``all``: the model's own prompt); ``+focus``: long passages show the sentences
+    the conversation is about (``model.passage_focus``; without it: the model's own setting); CLIP: standardised
+    features limited to [-CLIP, CLIP] (``train.decision_head.clip``)."""
     try:
         name, rest = spec.split("=", 1)
         pooling, cap, *more = rest.split(":")
         if len(more) > 2:
             raise ValueError(spec)
         window, clip = more + ["all", "none"][len(more):]
+        window, *flags = window.split("+")
+        if flags not in ([], ["focus"]):
+            raise ValueError(spec)
         clip = None if clip == "none" else float(clip)
         if clip is not None and not clip > 0:
             raise ValueError(spec)
         return (name, pooling.split("+"), None if cap == "all" else int(cap),
-                None if window == "all" else int(window), clip)
+                (None if window == "all" else int(window), bool(flags)), clip)
     except ValueError:
-        raise SystemExit(f"--head {spec!r}: expected NAME=POOLING:MAX_PER_SOURCE[:WINDOW[:CLIP]], e.g. "
-                         "v3.1=last+mean:all, v3.2=last+mean:all:4 or v3.3=last+mean:all:4:1") from None
+        raise SystemExit(f"--head {spec!r}: expected NAME=POOLING:MAX_PER_SOURCE[:WINDOW[+focus][:CLIP]], e.g. "
+                         "v3.1=last+mean:all, v3.2=last+mean:all:4, v3.3=last+mean:all:4:1 or "
+                         "focus=last+mean:all:4+focus") from None
 
 
 def main() -> None:
@@ -63,9 +72,10 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="the recipe benchmark's data-job output (train, dev and test splits)")
     ap.add_argument("--model", default="builtin:clarifier-smollm2-135m")
     ap.add_argument("--head", action="append", default=None,
-                    help="NAME=POOLING:MAX_PER_SOURCE[:WINDOW[:CLIP]] (POOLING last, mean or last+mean; MAX_PER_SOURCE a "
-                         "number or all; WINDOW: the prompt shows only the latest WINDOW history turns, all (default): "
-                         "the model's own; CLIP: standardised features limited to [-CLIP, CLIP], none (default): no "
+                    help="NAME=POOLING:MAX_PER_SOURCE[:WINDOW[+focus][:CLIP]] (POOLING last, mean or last+mean; "
+                         "MAX_PER_SOURCE a number or all; WINDOW: the prompt shows only the latest WINDOW history turns, "
+                         "all (default): the model's own; +focus: long passages show the sentences the conversation is "
+                         "about (model.passage_focus); CLIP: standardised features limited to [-CLIP, CLIP], none (default): no "
                          "limit); repeatable, the first is the reference (default: v3=last:600 v3.1=last+mean:all)")
     ap.add_argument("--c-grid", default=None,
                     help="comma-separated inverse L2 strengths tried for every head (default: the config's c_grid)")
@@ -80,8 +90,13 @@ def main() -> None:
                          "row 'joint' is the saved model measured on the same evaluation set (to package it)")
     ap.add_argument("--recipe-result-out", default=None,
                     help="where that copy goes (default: results/<its benchmark>-head-refit.json)")
+    ap.add_argument("--dev-only", action="store_true",
+                    help="compare the heads on the dev split only (their strengths were chosen there); the test turns "
+                         "are not read")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.dev_only and args.save_model:
+        raise SystemExit("--save-model needs the test evaluation: leave out --dev-only")
     heads = [parse_head(h) for h in (args.head or ["v3=last:600", "v3.1=last+mean:all"])]
 
     import numpy as np
@@ -100,31 +115,42 @@ def main() -> None:
                                  {"c_grid": [float(c) for c in args.c_grid.split(",") if c.strip()]}))
     for _, pooling, _, _, _ in heads:
         check_pooling(pooling)
-    splits = {name: load_split(args.data, name) for name in ("train", "dev", "test")}
-    eval_set = sample_by_source(splits["test"], args.eval_per_source, args.seed, args.eval_clarify_share)
+    splits = {name: load_split(args.data, name) for name in ("train", "dev") + (() if args.dev_only else ("test",))}
+    eval_set = [] if args.dev_only else sample_by_source(splits["test"], args.eval_per_source, args.seed,
+                                                          args.eval_clarify_share)
     engine = load_engine(args.model, decision_head=False)
     own_opts = engine.opts
     layers = resolve_layers(cfg.layers, engine.model.config.num_hidden_layers)
     print(f"[refit] {args.model} ({engine.precision}), layers {layers}: {len(splits['train'])} train, "
-          f"{len(splits['dev'])} dev, {len(splits['test'])} test turns; evaluation set {len(eval_set)} "
-          f"(fingerprint {fingerprint_examples(eval_set)[:12]})", flush=True)
+          f"{len(splits['dev'])} dev turns" + ("; dev only, the test split is not read" if args.dev_only else
+                                                f", {len(splits['test'])} test turns; evaluation set {len(eval_set)} "
+                                                f"(fingerprint {fingerprint_examples(eval_set)[:12]})"), flush=True)
     dim = len(layers) * engine.model.config.hidden_size  # the engine's features: every layer's last, then mean
     cache = Path(args.features) if args.features else None
     feats = dict(np.load(cache)) if cache and cache.is_file() else {}
-    # keys: the split's name ("train"; the whole history) or "train@w4" (a window of 4 history turns)
+    # keys: the split's name ("train"; the whole history) or "train@w4" (a window of 4 history turns), "train@w4+focus"
     cached = sorted(k for k in feats if not k.endswith("_ids"))  # states a previous run of the same data computed
     for key in cached:
         name = key.split("@")[0]
+        if name not in splits:  # --dev-only: the test split's states stay unread
+            continue
         if f"{key}_ids" not in feats or list(feats[f"{key}_ids"]) != [e.id for e in splits[name]]:
             why = ("has no turn ids (an older version of this script wrote it)" if f"{key}_ids" not in feats else
                    f"holds states of other turns than {args.data}'s {name} split (another data job?)")
             raise SystemExit(f"--features {cache}: its {key} states {why}; delete it or name another file")
 
-    def states(name, window=None):
-        window = own_opts.max_history_turns if window is None else window  # the key names the prompt's window
-        key = name if window is None else f"{name}@w{window}"
+    def prompt_of(variant):
+        window, focus = variant
+        return replace(own_opts, max_history_turns=own_opts.max_history_turns if window is None else window,
+                       passage_focus=own_opts.passage_focus or focus)
+
+    def states(name, variant=(None, False)):
+        opts = prompt_of(variant)  # the key names the prompt it was rendered with
+        window, focus = opts.max_history_turns, opts.passage_focus
+        key = name if window is None and not focus else (
+            f"{name}@" + ("" if window is None else f"w{window}") + ("+focus" if focus else ""))
         if key not in feats:
-            engine.opts = own_opts if window is None else replace(own_opts, max_history_turns=window)
+            engine.opts = opts
             feats[key] = hidden_features(engine, splits[name], layers, cfg.batch_size, key,
                                          lambda m: print(m, flush=True), ("last", "mean"))[1]
             feats[f"{key}_ids"] = np.array([e.id for e in splits[name]])
@@ -138,32 +164,57 @@ def main() -> None:
 
     row_of = {name: {e.id: i for i, e in enumerate(rows)} for name, rows in splits.items()}
     fits = {}
-    for head_name, pooling, cap, window, clip in heads:  # every head is fixed before the test split is read
+    for head_name, pooling, cap, variant, clip in heads:  # every head is fixed before the test split is read
         train = splits["train"] if cap is None else sample_by_source(splits["train"], cap, args.seed, clarify_share=0.5)
-        x_train = columns(states("train", window)[[row_of["train"][e.id] for e in train]], pooling)
-        fit = fit_on_features(x_train, train, columns(states("dev", window), pooling), splits["dev"], cfg.c_grid, clip)
-        fits[head_name] = {**fit, "pooling": pooling, "n_train": len(train), "window": window}
-        shown = ("" if window is None else f", latest {window} history turns") + (
-            "" if clip is None else f", clipped at {clip:g} sd")
+        x_train = columns(states("train", variant)[[row_of["train"][e.id] for e in train]], pooling)
+        fit = fit_on_features(x_train, train, columns(states("dev", variant), pooling), splits["dev"], cfg.c_grid, clip)
+        fits[head_name] = {**fit, "pooling": pooling, "n_train": len(train), "variant": variant}
+        shown = ("" if variant[0] is None else f", latest {variant[0]} history turns") + (
+            ", passages focused" if variant[1] else "") + ("" if clip is None else f", clipped at {clip:g} sd")
         print(f"[refit] {head_name} ({'+'.join(pooling)}, {len(train)} train turns{shown}): C={fit['c']:g}, "
               f"dev within-source AUROC {fit['dev_macro_auroc']:.3f}", flush=True)
+
+    reference = heads[0][0]
+    if args.dev_only:
+        dev, src = splits["dev"], [source_of(e) for e in splits["dev"]]
+        gold = [e.needs_clarification for e in dev]
+        results = {}
+        for head_name, fit in fits.items():
+            scores = [float(v) for v in fit["dev_scores"]]
+            results[head_name] = {"pooling": fit["pooling"], "n_train": fit["n_train"], "c": fit["c"],
+                                  "max_history_turns": fit["variant"][0], "passage_focus": fit["variant"][1],
+                                  "clip": fit["clip"], "tried": fit["tried"],
+                                  "dev_split": within_source_summary(gold, scores, src)}
+        boot = paired_bootstrap(gold, {n: ([float(v) >= 0.5 for v in f["dev_scores"]], [float(v) for v in f["dev_scores"]])
+                                       for n, f in fits.items()}, reference=reference, sources=src, seed=args.seed)
+        for head_name in fits:
+            if head_name != reference:
+                print(f"[refit] {head_name} minus {reference} on the dev split: "
+                      f"{boot['systems'][head_name]['macro_auroc_diff']}", flush=True)
+        path = write_result("recipe-head-refit", {
+            "data": args.data, "model": args.model, "precision": engine.precision, "layers": layers,
+            "dev_only": True, "heads": results, "reference": reference, "n": {k: len(v) for k, v in splits.items()},
+            "dev_fingerprint": fingerprint_examples(dev), "bootstrap": {"dev_split": boot},
+            "states_from_cache": cached, "seconds": round(time.time() - t0, 1)}, args.out)
+        print(f"[refit] wrote {path} (dev split only; the test turns were not read)")
+        return
 
     results, systems = {}, {}
     for set_name, rows in (("evaluation_set", eval_set), ("test_split", splits["test"])):
         gold, src = [e.needs_clarification for e in rows], [source_of(e) for e in rows]
         systems[set_name] = {}
         for head_name, fit in fits.items():
-            x = states("test", fit["window"])[[row_of["test"][e.id] for e in rows]]
+            x = states("test", fit["variant"])[[row_of["test"][e.id] for e in rows]]
             scores = [float(v) for v in head_scores(fit, columns(x, fit["pooling"]))]
             systems[set_name][head_name] = ([s >= 0.5 for s in scores], scores)
             summary = within_source_summary(gold, scores, src)
             results.setdefault(head_name, {"pooling": fit["pooling"], "n_train": fit["n_train"], "c": fit["c"],
-                                           "max_history_turns": fit["window"], "clip": fit["clip"],
+                                           "max_history_turns": fit["variant"][0], "passage_focus": fit["variant"][1],
+                                           "clip": fit["clip"],
                                            "dev_macro_auroc": round(fit["dev_macro_auroc"], 4), "tried": fit["tried"]})
             results[head_name][set_name] = summary
             print(f"[refit] {head_name} on the {set_name.replace('_', ' ')} ({len(rows)} turns): mean within-source "
                   f"AUROC {summary['macro_auroc']:.3f}", flush=True)
-    reference = heads[0][0]
     boots = {}
     for set_name, rows in (("evaluation_set", eval_set), ("test_split", splits["test"])):
         boots[set_name] = paired_bootstrap([e.needs_clarification for e in rows], systems[set_name],
@@ -209,7 +260,9 @@ def save_model(args, engine, fit, layers, cfg, splits, eval_set, head_name) -> d
     meta = read_meta(dst)
     refit = {"script": "benchmarks/recipe/head_refit.py", "head": head_name, "git": git_commit(),
              "date": time.strftime("%Y-%m-%d")}
-    prompt = meta.prompt if fit["window"] is None else {**(meta.prompt or {}), "max_history_turns": fit["window"]}
+    window, focus = fit["variant"]
+    prompt = {**(meta.prompt or {}), **({} if window is None else {"max_history_turns": window}),
+              **({"passage_focus": True} if focus else {})}
     write_meta(dst, replace(meta, prompt=prompt, decision_head={
         "layers": layers, "layer_fractions": list(cfg.layers), "pooling": fit["pooling"], "clip": fit["clip"], "c": fit["c"],
         "n_train": fit["n_train"], "n_dev": len(splits["dev"]), "dev_macro_auroc": fit["dev_macro_auroc"],

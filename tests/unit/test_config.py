@@ -86,7 +86,8 @@ def test_history_window_reaches_the_prompt_the_model_folder_and_the_data_check(t
 
     cfg = build_config({"data": {"output": str(tmp_path)}}, ["model.max_history_turns=6"])
     assert cfg.model.prompt_options().max_history_turns == 6
-    assert cfg.model.prompt_meta() == {"max_prompt_tokens": cfg.model.max_prompt_tokens, "max_history_turns": 6}
+    assert cfg.model.prompt_meta() == {"max_prompt_tokens": cfg.model.max_prompt_tokens, "max_history_turns": 6,
+                                       "passage_focus": False}
     with pytest.raises(ConfigError, match="model.max_history_turns"):
         build_config({}, ["model.max_history_turns=-1"])
     tokenizer = {"base_model": cfg.model.base_model, "max_prompt_tokens": cfg.model.max_prompt_tokens}
@@ -96,3 +97,9 @@ def test_history_window_reaches_the_prompt_the_model_folder_and_the_data_check(t
             "data": cfg.data.model_dump(mode="json"),
             "tokenizer": {**tokenizer, "max_history_turns": window, "target_grounding": grounding}}}))
         assert data_is_current(cfg) is current
+    # passage focus is part of the prompt: data rendered without it (a manifest from before the setting) is not current
+    focused = build_config({"data": {"output": str(tmp_path)}}, ["model.max_history_turns=6", "model.passage_focus=true"])
+    assert focused.model.prompt_options().passage_focus is True
+    assert not data_is_current(focused)
+    assert focused.model.prompt_differences({**tokenizer, "max_history_turns": 6}) == {
+        "model.passage_focus": (False, True)}

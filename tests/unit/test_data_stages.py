@@ -46,7 +46,7 @@ def _stage(tiny_model_dir, out, parsed) -> EncodeAndWrite:
     assert dict(zip(found.column("dedup_key").to_pylist(), found.column("first").to_pylist())) == first
     return EncodeAndWrite(
         encoder={"base_model": str(tiny_model_dir), "resolved": str(tiny_model_dir), "cache_dir": None, "weights": {},
-                 "max_prompt_tokens": 256, "max_length": 512},
+                 "prompt": {"max_prompt_tokens": 256}, "max_length": 512},
         first=first, filesystem=pafs.LocalFileSystem(), output=str(out), split_columns=SPLIT_COLUMNS,
         filtered_columns=FILTERED_COLUMNS, micro_batch_size=2,
         packing={"block_length": 512, "folder": "train_packed"})

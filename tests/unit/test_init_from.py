@@ -72,3 +72,10 @@ def test_training_refuses_data_tokenised_with_another_history_window(tmp_path):
     with pytest.raises(ValueError, match=r"tokenised with model.max_history_turns=None but this run has "
                                          r"model.max_history_turns=4: run `clarifier data prepare`"):
         train(cfg)
+    # every prompt setting counts: here the passage focus (a manifest without it was rendered without it)
+    (tmp_path / "manifest.json").write_text(json.dumps({"config": {"tokenizer": {
+        "max_history_turns": None, "max_prompt_tokens": 384}}}))
+    cfg = build_config({"data": {"output": str(tmp_path)}}, ["model.passage_focus=true"])
+    with pytest.raises(ValueError, match=r"tokenised with model.passage_focus=False but this run has "
+                                         r"model.passage_focus=True: run `clarifier data prepare`"):
+        train(cfg)

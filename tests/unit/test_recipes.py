@@ -295,3 +295,20 @@ def test_old_reports_get_within_source_figures_from_their_per_source_metrics():
     assert w["macro_auroc"] == pytest.approx(0.7) and w["min_auroc"] == 0.6
     assert w["macro_recall_at_budget"] == pytest.approx(0.3) and w["macro_f1_at_budget"] is None
     assert "| joint | trained | 0.700 | 0.600 | 0.600 | 0.800 |" in markdown(result)
+
+
+def test_a_variant_reuses_the_recipes_data_job_only_with_the_same_data_tokenizer_and_prompt(tmp_path):
+    from clarifier.core.config import load_config
+    from clarifier.recipes import recipe_path
+    from clarifier.recipes.benchmark import _variant_cfg, load_plan
+
+    plan = load_plan("joint-public")
+    base = load_config(recipe_path(plan.recipe), plan.overrides)
+    same = _variant_cfg(base, plan.recipe, plan, "joint_ce", ["train.decision_loss.kind=ce"], tmp_path)
+    assert same.data.output == base.data.output and same.data.input == base.data.input
+    # another prompt or base model tokenises the same examples differently: preparing it must not overwrite the
+    # recipe's data job, which the other rows train on and the evaluation set is drawn from
+    for name, extra in (("focus", ["model.passage_focus=true"]), ("window", ["model.max_history_turns=2"]),
+                        ("gemma", ["model.base_model=gemma3-270m"])):
+        cfg = _variant_cfg(base, plan.recipe, plan, name, extra, tmp_path)
+        assert cfg.data.output == str(tmp_path / name / "data") != base.data.output

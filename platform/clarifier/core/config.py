@@ -217,6 +217,11 @@ class ModelConfig(_Strict):
         description="Show the model at most this many of the latest history turns (training, evaluation and serving "
                     "alike; the model folder records it); older ones are dropped as max_prompt_tokens drops them. "
                     "None: as many as max_prompt_tokens allows.")
+    passage_focus: bool = Field(
+        PromptOptions.passage_focus,
+        description="A retrieved passage longer than the prompt's passage limit (300 characters) shows the run of its "
+                    "sentences sharing the most words with the latest message and the shown history, instead of its "
+                    "beginning (clarifier.core.prompt.focus_passage; training, evaluation and serving alike).")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Numeric precision of training, calibration and evaluation: auto = bf16 where the device "
                             "computes it natively (CUDA with bf16; a CPU with AVX512-BF16 or AMX), else fp32. "
@@ -224,11 +229,19 @@ class ModelConfig(_Strict):
 
     def prompt_options(self) -> PromptOptions:
         """The prompt renderer's options this model config trains and scores with."""
-        return PromptOptions(max_prompt_tokens=self.max_prompt_tokens, max_history_turns=self.max_history_turns)
+        return PromptOptions(**self.prompt_meta())
 
     def prompt_meta(self) -> dict:
-        """What a model folder records of them (``ModelMeta.prompt``)."""
-        return {"max_prompt_tokens": self.max_prompt_tokens, "max_history_turns": self.max_history_turns}
+        """What a model folder and a data job's manifest record of them (``ModelMeta.prompt``, ``tokenizer``)."""
+        return {"max_prompt_tokens": self.max_prompt_tokens, "max_history_turns": self.max_history_turns,
+                "passage_focus": self.passage_focus}
+
+    def prompt_differences(self, recorded: dict) -> dict[str, tuple]:
+        """``{"model.<name>": (recorded value, this config's value)}`` for each prompt setting where ``recorded`` (a
+        data job's manifest ``tokenizer`` section) differs from this config; a setting it lacks was the default."""
+        defaults = PromptOptions()
+        return {f"model.{k}": (recorded.get(k, getattr(defaults, k)), v) for k, v in self.prompt_meta().items()
+                if recorded.get(k, getattr(defaults, k)) != v}
 
 
 class LossWeights(_Strict):

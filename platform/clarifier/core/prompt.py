@@ -8,6 +8,7 @@ tokenizer's chat template when it has one. Pure apart from calling the tokenizer
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from clarifier.core.schema import Passage, Turn
@@ -28,11 +29,64 @@ class PromptOptions:
     # Show at most this many of the latest history turns (None: as many as max_prompt_tokens allows). Older turns
     # are dropped like the token budget drops them: the shown ones keep their indexes.
     max_history_turns: int | None = None
+    # A passage longer than max_passage_chars shows the run of its sentences that shares the most words with the
+    # latest message and the shown history (see focus_passage) instead of its beginning.
+    passage_focus: bool = False
 
 
 def _clip(text: str, limit: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+_WORD = re.compile(r"[^\W_]+")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+_STOPWORDS = frozenset(
+    "the and for are was were but not you your with that this what which who whom whose when where why how did does "
+    "has have had its his her him she they them their there then than from into onto about over under been being "
+    "will would can could should may might must shall any all some one ones our out off too very just also more most "
+    "other such only own same each few both here now yes".split())
+
+
+def _words(text: str) -> set[str]:
+    return {w for w in _WORD.findall(text.lower()) if len(w) >= 3 and w not in _STOPWORDS}
+
+
+def focus_passage(text: str, limit: int, context: list[str]) -> str:
+    """``text`` cut to at most ``limit`` characters around what the conversation is about.
+
+    ``context`` lists texts from the most to the least important (the latest message first, then the shown history
+    from the newest turn back). A passage that fits is returned whole (whitespace normalised); otherwise the
+    contiguous run of its sentences that fits the limit and shares the most context words (a word counts once, with
+    the weight of the most important text it appears in) is shown, with "…" where text was left out. A passage that
+    shares no word with the context is cut like any other (its beginning)."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    weights: dict[str, float] = {}
+    for rank, ctx in enumerate(context):
+        for w in _words(ctx):
+            weights.setdefault(w, 1.0 / (1 + rank))
+    sentences = _SENTENCE_END.split(text)
+    scores = [sum(weights.get(w, 0.0) for w in _words(s)) for s in sentences]
+    best, best_score = None, 0.0
+    for i in range(len(sentences)):
+        j, size, score = i, 0, 0.0
+        while j < len(sentences) and size + len(sentences[j]) + (j > i) <= limit - 2:
+            size += len(sentences[j]) + (j > i)
+            score += scores[j]
+            j += 1
+        if j == i:  # one sentence longer than the limit: its beginning
+            j, score = i + 1, scores[i]
+        if score > best_score:
+            best, best_score = (i, j), score
+    if best is None:
+        return _clip(text, limit)
+    i, j = best
+    head, body = ("…" if i > 0 else ""), " ".join(sentences[i:j])
+    if j < len(sentences):  # text follows: always marked
+        return head + _clip(body, limit - len(head) - 1).rstrip("…") + "…"
+    return head + _clip(body, limit - len(head))
 
 
 def render_user_message(
@@ -51,8 +105,11 @@ def render_user_message(
         lines.append("Conversation so far: (none)")
     if passages:
         lines.append("Retrieved passages:")
+        context = [query] + [t.text for t in reversed(shown)] if opts.passage_focus else []
         for p in passages[: opts.max_passages]:
-            lines.append(f"[{p.id}] {_clip(p.text, opts.max_passage_chars)}")
+            text = (focus_passage(p.text, opts.max_passage_chars, context) if opts.passage_focus
+                    else _clip(p.text, opts.max_passage_chars))
+            lines.append(f"[{p.id}] {text}")
     lines.append(f"Latest user message: {_clip(query, opts.max_turn_chars)}")
     return "\n".join(lines)
 

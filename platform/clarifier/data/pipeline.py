@@ -384,8 +384,7 @@ def _prepare_with(ray, cfg: ClarifierConfig, progress: Callable[[str], None], re
                     "resolved": resolved,
                     "cache_dir": cfg.model.cache_dir,
                     "weights": cfg.train.loss_weights.model_dump(),
-                    "max_prompt_tokens": cfg.model.max_prompt_tokens,
-                    "max_history_turns": cfg.model.max_history_turns,
+                    "prompt": cfg.model.prompt_meta(),
                     "max_length": d.max_length,
                     "progress": (relay_handle, examples_n),
                 },
@@ -423,8 +422,7 @@ def _prepare_with(ray, cfg: ClarifierConfig, progress: Callable[[str], None], re
         from clarifier.data.stages import tokenizer_info as describe
         from clarifier.engine.models import load_tokenizer
 
-        tokenizer_info = describe(load_tokenizer(resolved), cfg.model.base_model, resolved, cfg.model.max_prompt_tokens,
-                                  cfg.model.max_history_turns)
+        tokenizer_info = describe(load_tokenizer(resolved), cfg.model.base_model, resolved, cfg.model.prompt_meta())
     for reason, n in labelling_by_reason.items():
         filtered[reason] = filtered.get(reason, 0) + n
     kept_total = sum(c["examples"] for c in split_counts.values())

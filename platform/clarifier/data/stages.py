@@ -216,8 +216,7 @@ class Encoder:
     tokenised with one call for its prompts and one for its targets (``encode_examples``)."""
 
     def __init__(self, base_model: str, resolved: str, cache_dir: str | None, weights: dict,
-                 max_prompt_tokens: int, max_length: int, progress: tuple | None = None,
-                 max_history_turns: int | None = None):
+                 prompt: dict, max_length: int, progress: tuple | None = None):
         from clarifier.engine.models import load_tokenizer, resolve_base_model
         from clarifier.core.prompt import PromptOptions
         from clarifier.core.objective import SegmentWeights
@@ -226,7 +225,7 @@ class Encoder:
         path = resolved if (Path(resolved) / "config.json").is_file() else resolve_base_model(base_model, cache_dir)
         self.tokenizer = load_tokenizer(path)
         self.weights = SegmentWeights(**weights)
-        self.opts = PromptOptions(max_prompt_tokens=max_prompt_tokens, max_history_turns=max_history_turns)
+        self.opts = PromptOptions(**prompt)  # ModelConfig.prompt_meta()
         self.max_length = max_length
         self.progress = progress  # (relay handle, total examples)
 
@@ -265,9 +264,9 @@ COUNTS_SCHEMA = pa.schema([
 ])
 
 
-def tokenizer_info(tok, base_model: str, resolved: str, max_prompt_tokens: int,
-                   max_history_turns: int | None = None) -> dict:
-    """What the data job's manifest records of the tokenizer it used (and of how targets were cut to the prompt)."""
+def tokenizer_info(tok, base_model: str, resolved: str, prompt: dict) -> dict:
+    """What the data job's manifest records of the tokenizer it used, of the prompt it rendered (``prompt``:
+    ``ModelConfig.prompt_meta()``) and of how targets were cut to the prompt."""
     from clarifier.core.objective import TARGET_GROUNDING
 
     return {
@@ -275,8 +274,7 @@ def tokenizer_info(tok, base_model: str, resolved: str, max_prompt_tokens: int,
         "resolved_path": resolved,
         "name_or_path": getattr(tok, "name_or_path", resolved),
         "vocab_size": len(tok),
-        "max_prompt_tokens": max_prompt_tokens,
-        "max_history_turns": max_history_turns,
+        **prompt,
         "target_grounding": TARGET_GROUNDING,
         "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
     }
@@ -303,8 +301,7 @@ class EncodeAndWrite:
         self.split_columns, self.filtered_columns = split_columns, filtered_columns
         self.micro_batch_size, self.packing = micro_batch_size, packing
         self.made: set[str] = set()
-        self.info = tokenizer_info(self.encoder.tokenizer, encoder["base_model"], encoder["resolved"],
-                                   encoder["max_prompt_tokens"], encoder.get("max_history_turns"))
+        self.info = tokenizer_info(self.encoder.tokenizer, encoder["base_model"], encoder["resolved"], encoder["prompt"])
         self.reported = False
 
     def _write(self, table: pa.Table, folder: str, name: str) -> None:

@@ -53,9 +53,7 @@ def data_is_current(cfg: ClarifierConfig) -> bool:
     conf = manifest.get("config") or {}
     tok = conf.get("tokenizer") or {}
     return (conf.get("data") == cfg.data.model_dump(mode="json") and tok.get("base_model") == cfg.model.base_model
-            and tok.get("max_prompt_tokens", cfg.model.max_prompt_tokens) == cfg.model.max_prompt_tokens
-            and tok.get("max_history_turns") == cfg.model.max_history_turns
-            and tok.get("target_grounding") == TARGET_GROUNDING)
+            and not cfg.model.prompt_differences(tok) and tok.get("target_grounding") == TARGET_GROUNDING)
 
 
 def prepare_if_needed(cfg: ClarifierConfig, progress: Callable[[str], None] = print, force: bool = False) -> dict:

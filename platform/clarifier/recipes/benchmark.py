@@ -177,8 +177,11 @@ def _variant_cfg(base: ClarifierConfig, recipe: str, plan: BenchmarkPlan, name: 
     cfg.storage.root = str(workdir / "storage")
     cfg.train.run_name = f"{name}-{int(time.time())}"
     same = cfg.data.model_copy(update={"input": base.data.input, "output": base.data.output})
-    if same.model_dump() == base.data.model_dump():
-        return cfg.model_copy(update={"data": same})  # same data as the recipe: reuse its data job
+    if (same.model_dump() == base.data.model_dump() and cfg.model.base_model == base.model.base_model
+            and cfg.model.prompt_meta() == base.model.prompt_meta()):
+        return cfg.model_copy(update={"data": same})  # same data, tokenizer and prompt as the recipe: reuse its data job
+    # Another tokenizer or prompt tokenises the same examples differently: its own data job, so that preparing it
+    # does not overwrite the recipe's.
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={
         "input": str(workdir / name / "input"), "output": str(workdir / name / "data")})})
 

@@ -135,6 +135,9 @@ def card_markdown(c: dict) -> str:
     window = (c.get("prompt") or {}).get("max_history_turns")
     if window is not None:
         lines.append(f"- Prompt: the latest {window} history turns (older ones are dropped; `model.max_history_turns`).")
+    if (c.get("prompt") or {}).get("passage_focus"):
+        lines.append("- Prompt: a long passage shows the sentences that share the most words with the conversation "
+                     "(`model.passage_focus`).")
     h = c.get("decision_head")
     where = " and ".join({"last": "at the decision position", "mean": "averaged over the prompt"}[p]
                          for p in (h or {}).get("pooling") or ["last"])

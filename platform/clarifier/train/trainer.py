@@ -57,11 +57,12 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
         raise FileNotFoundError(
             f"data.output={data_root!r} has no manifest.json: run `clarifier data prepare` first (or point data.output at its output)")
     manifest = read_manifest(data_root)
-    shown = ((manifest.get("config") or {}).get("tokenizer") or {}).get("max_history_turns")
-    if shown != cfg.model.max_history_turns:  # the model folder would record a prompt its training never saw
-        raise ValueError(f"data.output={data_root!r} was tokenised with model.max_history_turns={shown} but this run "
-                         f"has model.max_history_turns={cfg.model.max_history_turns}: run `clarifier data prepare` "
-                         "with this config again (`clarifier train --recipe` does it), or set the same value")
+    differ = cfg.model.prompt_differences((manifest.get("config") or {}).get("tokenizer") or {})
+    if differ:  # the model folder would record a prompt its training never saw
+        theirs, ours = (", ".join(f"{k}={v[i]}" for k, v in differ.items()) for i in (0, 1))
+        raise ValueError(f"data.output={data_root!r} was tokenised with {theirs} but this run has {ours}: "
+                         "run `clarifier data prepare` with this config again (`clarifier train --recipe` does it), "
+                         "or set the same values")
     train_counts = manifest["counts"]["splits"]["train"]
     n_train = train_counts["examples"]
     t = cfg.train
