@@ -174,6 +174,11 @@ def main() -> None:
         print(f"[refit] {head_name} ({'+'.join(pooling)}, {len(train)} train turns{shown}): C={fit['c']:g}, "
               f"dev within-source AUROC {fit['dev_macro_auroc']:.3f}", flush=True)
 
+    def described(fit) -> dict:  # what the result records of a head
+        return {"pooling": fit["pooling"], "n_train": fit["n_train"], "c": fit["c"], "max_history_turns": fit["variant"][0],
+                "passage_focus": fit["variant"][1], "clip": fit["clip"], "dev_macro_auroc": round(fit["dev_macro_auroc"], 4),
+                "tried": fit["tried"]}
+
     reference = heads[0][0]
     if args.dev_only:
         dev, src = splits["dev"], [source_of(e) for e in splits["dev"]]
@@ -181,10 +186,7 @@ def main() -> None:
         results = {}
         for head_name, fit in fits.items():
             scores = [float(v) for v in fit["dev_scores"]]
-            results[head_name] = {"pooling": fit["pooling"], "n_train": fit["n_train"], "c": fit["c"],
-                                  "max_history_turns": fit["variant"][0], "passage_focus": fit["variant"][1],
-                                  "clip": fit["clip"], "tried": fit["tried"],
-                                  "dev_split": within_source_summary(gold, scores, src)}
+            results[head_name] = {**described(fit), "dev_split": within_source_summary(gold, scores, src)}
         boot = paired_bootstrap(gold, {n: ([float(v) >= 0.5 for v in f["dev_scores"]], [float(v) for v in f["dev_scores"]])
                                        for n, f in fits.items()}, reference=reference, sources=src, seed=args.seed)
         for head_name in fits:
@@ -208,10 +210,7 @@ def main() -> None:
             scores = [float(v) for v in head_scores(fit, columns(x, fit["pooling"]))]
             systems[set_name][head_name] = ([s >= 0.5 for s in scores], scores)
             summary = within_source_summary(gold, scores, src)
-            results.setdefault(head_name, {"pooling": fit["pooling"], "n_train": fit["n_train"], "c": fit["c"],
-                                           "max_history_turns": fit["variant"][0], "passage_focus": fit["variant"][1],
-                                           "clip": fit["clip"],
-                                           "dev_macro_auroc": round(fit["dev_macro_auroc"], 4), "tried": fit["tried"]})
+            results.setdefault(head_name, described(fit))
             results[head_name][set_name] = summary
             print(f"[refit] {head_name} on the {set_name.replace('_', ' ')} ({len(rows)} turns): mean within-source "
                   f"AUROC {summary['macro_auroc']:.3f}", flush=True)
