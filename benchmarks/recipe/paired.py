@@ -7,7 +7,8 @@ Answers "is this model the same as that one, or better?" the way the recipe coun
 P(clarify) on every turn of the split (decision only: the engine's ``score``, with the model's own decision
 head), the headline figures inside each source (AUROC, recall and F1 at 10% over-asking, and their means), and
 the paired bootstrap of the difference of mean within-source AUROC against the first model (1,000 resamples
-of the split's turns; a difference counts when its interval leaves out 0). Used to check that
+of the split's turns; a difference counts when its interval leaves out 0), and of each source's AUROC difference
+(resampling that source's turns). Every model's scores are kept in the result, in the split's order (``ids``). Used to check that
 ``clarifier train --recipe joint-public`` reproduces the shipped model (``results/recipe-retrain.json``).
 """
 
@@ -58,18 +59,26 @@ def main() -> None:
         systems[name] = ([s >= thr for s in scores], scores)
         summary = within_source_summary(gold, scores, sources)
         rows[name] = {"model_uri": uri, "threshold": thr, "decision_head": engine.decision_head is not None,
-                      "within_source": summary}
+                      "within_source": summary, "scores": [round(float(s), 6) for s in scores]}
         print(f"[paired] {name}: mean within-source AUROC {summary['macro_auroc']:.3f}, min {summary['min_auroc']:.3f}, "
               f"R@10%OA {summary['macro_recall_at_budget']:.3f}", flush=True)
     reference = next(iter(models))
     boot = paired_bootstrap(gold, systems, reference=reference, sources=sources, seed=args.seed)
+    by_source = {}  # each source's AUROC difference against the reference, its own turns resampled
+    for src in sorted(set(sources)):
+        idx = [i for i, s in enumerate(sources) if s == src]
+        sub = {name: ([dec[i] for i in idx], [sc[i] for i in idx]) for name, (dec, sc) in systems.items()}
+        b = paired_bootstrap([gold[i] for i in idx], sub, reference=reference, seed=args.seed)
+        by_source[src] = {name: b["systems"][name]["auroc_diff"] for name in models if name != reference}
     for name in models:
         if name != reference:
             print(f"[paired] {name} minus {reference}: mean within-source AUROC "
-                  f"{boot['systems'][name]['macro_auroc_diff']}", flush=True)
+                  f"{boot['systems'][name]['macro_auroc_diff']}; by source: "
+                  + ", ".join(f"{src} {by_source[src][name]}" for src in by_source), flush=True)
     path = write_result("recipe-paired", {
         "data": args.data, "split": args.split, "n": len(examples), "fingerprint": fingerprint_examples(examples),
-        "reference": reference, "models": rows, "bootstrap": boot, "seconds": round(time.time() - t0, 1)}, args.out)
+        "ids": [e.id for e in examples], "reference": reference, "models": rows, "bootstrap": boot,
+        "auroc_diff_by_source": by_source, "seconds": round(time.time() - t0, 1)}, args.out)
     print(f"[paired] wrote {path}")
 
 
