@@ -8,8 +8,9 @@ P(clarify) on every turn of the split (decision only: the engine's ``score``, wi
 head), the headline figures inside each source (AUROC, recall and F1 at 10% over-asking, and their means), and
 the paired bootstrap of the difference of mean within-source AUROC against the first model (1,000 resamples
 of the split's turns; a difference counts when its interval leaves out 0), and of each source's AUROC difference
-(resampling that source's turns). Every model's scores are kept in the result, in the split's order (``ids``). Used to check that
-``clarifier train --recipe joint-public`` reproduces the shipped model (``results/recipe-retrain.json``).
+(resampling that source's turns). Every model's scores are kept in the result, in the split's order (``ids``).
+Used to check that ``clarifier train --recipe joint-public`` reproduces the shipped model
+(``results/recipe-retrain.json``).
 """
 
 from __future__ import annotations

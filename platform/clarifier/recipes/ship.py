@@ -132,10 +132,11 @@ def card_markdown(c: dict) -> str:
              f"- Base model: {c['base_model']} ({c['base_model_license']}); {c['finetune']} adapter, trained in "
              f"{c['trained_precision']}, shipped as bf16 safetensors.",
              f"- Threshold {_f(c['threshold'])}" + (f" ({c['operating_point']['rule']})" if c.get("operating_point") else "") + "."]
-    window = (c.get("prompt") or {}).get("max_history_turns")
-    if window is not None:
-        lines.append(f"- Prompt: the latest {window} history turns (older ones are dropped; `model.max_history_turns`).")
-    if (c.get("prompt") or {}).get("passage_focus"):
+    prompt = c.get("prompt") or {}
+    if prompt.get("max_history_turns") is not None:
+        lines.append(f"- Prompt: the latest {prompt['max_history_turns']} history turns (older ones are dropped; "
+                     "`model.max_history_turns`).")
+    if prompt.get("passage_focus"):
         lines.append("- Prompt: a long passage shows the sentences that share the most words with the conversation "
                      "(`model.passage_focus`).")
     h = c.get("decision_head")
