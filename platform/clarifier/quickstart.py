@@ -90,10 +90,10 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
 
     kept = workdir / "model"  # a plain model folder: `clarifier audit` defaults to it
     shutil.rmtree(kept, ignore_errors=True)
-    shutil.copytree(tr.model_dir, kept)
+    shutil.move(tr.model_dir, kept)  # the same files are the MLflow run's `adapter` artifact
 
     stage(5, "evaluation on the held-out test split (model vs the rules, always-ask and the untrained base)")
-    report = evaluate(cfg, tr.model_dir, run_id=tr.run_id, out_dir=str(workdir / "eval"), progress=progress, table=False)
+    report = evaluate(cfg, str(kept), run_id=tr.run_id, out_dir=str(workdir / "eval"), progress=progress, table=False)
 
     stage(6, f"MLflow registry: register and set alias {cfg.registry.alias!r}")
     m = report["models"]["model"]["metrics"]

@@ -150,6 +150,7 @@ def test_pipeline_variant_trains_three_adapters_that_compose(prepared, mlflow_se
     lines: list[str] = []
     res = train(cfg, progress=lambda m: (lines.append(m), print(m)))
     folder = Path(res.model_dir)
+    assert folder == Path(cfg.storage.root).resolve() / "models" / res.run_id  # beside the run's Ray results
     spec = json.loads((folder / "pipeline.json").read_text())
     assert set(spec["parts"]) == {"when", "how", "what"} and res.steps == 6
     for part in ("when", "how", "what"):

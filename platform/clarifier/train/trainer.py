@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ RUN_NAME_TAG = "clarifier.run_name"
 @dataclass
 class TrainResult:
     run_id: str
-    model_dir: str  # local copy of the final checkpoint (a loadable Clarifier model folder)
+    model_dir: str  # the final checkpoint as a loadable Clarifier model folder (see model_folder)
     steps: int
     seconds: float
     # MLflow tracking outages: failed_calls, lost_steps / lost_values (metrics missing from the run
@@ -119,7 +118,7 @@ def train(cfg: ClarifierConfig, progress=print, callbacks=()) -> TrainResult:
              f"in {storage_path}")
 
     t0 = time.time()
-    out = Path(tempfile.mkdtemp(prefix="clarifier-model-"))
+    out = model_folder(cfg, run_id)
     tracking: dict[str, dict] = {}  # MLflow run id -> tracking stats of the fit that logged to it
     dataset = train_dataset(cfg)  # read once; pipeline parts pick their rows in the workers
     if t.variant == "joint":
@@ -350,6 +349,19 @@ def _fit_with(cfg, part, run_id, tracking_uri, decision, ray_name, storage_path,
     if result.checkpoint is None:
         raise RuntimeError("training finished without a checkpoint")
     return result
+
+
+def model_folder(cfg: ClarifierConfig, run_id: str) -> Path:
+    """Where a run's trained model lands (emptied first: a resumed run writes it again): beside the run's Ray
+    results, ``<storage.root>/models/<run_id>``, when storage is a local folder; with an ``s3://`` root, in this
+    machine's cache (``<cache>/trained/<run_id>``). The same files are logged to the MLflow run as ``adapter``."""
+    if storage.is_s3(cfg.storage.root):
+        out = storage.cache_root() / "trained" / run_id
+    else:
+        out = Path(cfg.storage.root).expanduser().resolve() / "models" / run_id
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    return out
 
 
 def _copy_model(result, out: Path) -> int:

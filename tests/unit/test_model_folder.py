@@ -1,0 +1,24 @@
+"""Where a training run's model lands: a deliberate home, not a temporary folder nobody removes."""
+
+from pathlib import Path
+
+from clarifier.core.config import build_config
+from clarifier.train.trainer import model_folder
+
+
+def test_local_storage_keeps_the_model_beside_the_run_and_a_rerun_replaces_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = build_config({}, ["storage.root=store"])
+    out = model_folder(cfg, "run123")
+    assert out == tmp_path / "store" / "models" / "run123" and out.is_dir()
+    (out / "stale.safetensors").write_bytes(b"old")  # a resumed run writes the folder again
+    again = model_folder(cfg, "run123")
+    assert again == out and not any(again.iterdir())
+
+
+def test_s3_storage_puts_the_local_copy_in_the_machine_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLARIFIER_CACHE", str(tmp_path / "cache"))
+    cfg = build_config({}, ["storage.root=s3://bucket/prefix"])
+    out = model_folder(cfg, "run9")
+    assert out == tmp_path / "cache" / "trained" / "run9" and out.is_dir()
+    assert not Path("s3:").exists()
