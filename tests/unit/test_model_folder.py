@@ -1,7 +1,5 @@
 """Where a training run's model lands: a deliberate home, not a temporary folder nobody removes."""
 
-from pathlib import Path
-
 from clarifier.core.config import build_config
 from clarifier.train.trainer import model_folder
 
@@ -18,7 +16,8 @@ def test_local_storage_keeps_the_model_beside_the_run_and_a_rerun_replaces_it(tm
 
 def test_s3_storage_puts_the_local_copy_in_the_machine_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CLARIFIER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
     cfg = build_config({}, ["storage.root=s3://bucket/prefix"])
     out = model_folder(cfg, "run9")
     assert out == tmp_path / "cache" / "trained" / "run9" and out.is_dir()
-    assert not Path("s3:").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # no local folder named after the s3 root
