@@ -7,6 +7,7 @@ evaluation with baselines -> MLflow registry (alias ``champion``) -> Ray Serve e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -91,6 +92,8 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
     kept = workdir / "model"  # a plain model folder: `clarifier audit` defaults to it
     shutil.rmtree(kept, ignore_errors=True)
     shutil.move(tr.model_dir, kept)  # the same files are the MLflow run's `adapter` artifact
+    with contextlib.suppress(OSError):
+        Path(tr.model_dir).parent.rmdir()  # models/, empty now
 
     stage(5, "evaluation on the held-out test split (model vs the rules, always-ask and the untrained base)")
     report = evaluate(cfg, str(kept), run_id=tr.run_id, out_dir=str(workdir / "eval"), progress=progress, table=False)
