@@ -253,10 +253,12 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     return report
 
 
-def evaluate_training_run(cfg: ClarifierConfig, model_dir: str, run_id: str, *, progress=print) -> dict | None:
+def evaluate_training_run(cfg: ClarifierConfig, model_dir: str, run_id: str, *, out_dir: str | None = None,
+                          progress=print) -> dict | None:
     """The evaluation every training run ends with: ``model_dir`` on ``eval.split`` of ``data.output``,
     logged to the training run ``run_id`` (metrics ``eval/...``, artifacts ``eval/``: report.md, report.json,
-    plots). Returns the report, or None (said in one line) when the data has no such split to evaluate on."""
+    plots; the local copy in ``out_dir``). Returns the report, or None (said in one line) when the data has no
+    such split to evaluate on."""
     from clarifier.data.outputs import read_manifest
 
     data = cfg.data.output
@@ -270,7 +272,7 @@ def evaluate_training_run(cfg: ClarifierConfig, model_dir: str, run_id: str, *, 
     if not splits.get(cfg.eval.split, {}).get("examples"):
         progress(f"[eval] skipped: split {cfg.eval.split!r} of {data} is empty (set eval.split to another split)")
         return None
-    report = evaluate(cfg, model_dir, data, run_id=run_id, progress=progress)
+    report = evaluate(cfg, model_dir, data, run_id=run_id, out_dir=out_dir, progress=progress)
     progress(f"[eval] report logged to MLflow run {run_id} (artifacts eval/report.md and plots); "
              f"local copy {report['paths']['markdown']}")
     return report

@@ -276,23 +276,25 @@ def promote(cfg: ClarifierConfig, name: str, *, to_alias: str = "champion", from
             raise PromotionError(f"no evaluation examples in {data} (split {cfg.eval.split!r})")
         eval_set = {"data": ed.name, "fingerprint": ed.fingerprint, "n": len(ed.examples),
                     "skipped_lines": len(ed.skipped)}
-        out_root = Path(tempfile.mkdtemp(prefix="clarifier-gate-"))
         metrics = {}
-        for role, v in (("challenger", mv), ("champion", champ)):
-            if v is None:
-                continue
-            logged = logged_eval_sets(v.tags).get(ed.fingerprint)
-            if logged is not None:
-                metrics[role], sources[role] = logged["metrics"], "logged"
-                progress(f"[gate] {role} v{v.version}: metrics already logged on this evaluation set")
-                continue
-            progress(f"[gate] evaluating {role} v{v.version} on {ed.name}")
-            rep = _evaluate_version(cfg, name, str(v.version), data, out_root / f"v{v.version}", progress)
-            if rep["data_fingerprint"] != ed.fingerprint:  # the file changed between reads
-                raise PromotionError(f"evaluation set {data} changed while the gate was running")
-            metrics[role], sources[role] = key_metrics(rep["models"]["model"]["metrics"]), "evaluated"
-            for k, val in eval_set_tags(ed.name, ed.fingerprint, metrics[role]).items():
-                client.set_model_version_tag(name, str(v.version), k, val)
+        # the reports are scratch: what the gate keeps is each version's metrics, tagged on it below
+        with tempfile.TemporaryDirectory(prefix="clarifier-gate-") as scratch:
+            out_root = Path(scratch)
+            for role, v in (("challenger", mv), ("champion", champ)):
+                if v is None:
+                    continue
+                logged = logged_eval_sets(v.tags).get(ed.fingerprint)
+                if logged is not None:
+                    metrics[role], sources[role] = logged["metrics"], "logged"
+                    progress(f"[gate] {role} v{v.version}: metrics already logged on this evaluation set")
+                    continue
+                progress(f"[gate] evaluating {role} v{v.version} on {ed.name}")
+                rep = _evaluate_version(cfg, name, str(v.version), data, out_root / f"v{v.version}", progress)
+                if rep["data_fingerprint"] != ed.fingerprint:  # the file changed between reads
+                    raise PromotionError(f"evaluation set {data} changed while the gate was running")
+                metrics[role], sources[role] = key_metrics(rep["models"]["model"]["metrics"]), "evaluated"
+                for k, val in eval_set_tags(ed.name, ed.fingerprint, metrics[role]).items():
+                    client.set_model_version_tag(name, str(v.version), k, val)
         ch_metrics, cp_metrics = metrics["challenger"], metrics.get("champion")
     else:
         common = _common_logged_set(mv.tags, champ.tags if champ is not None else None)

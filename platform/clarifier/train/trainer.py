@@ -355,12 +355,20 @@ def model_folder(cfg: ClarifierConfig, run_id: str) -> Path:
     """Where a run's trained model lands (emptied first: a resumed run writes it again): beside the run's Ray
     results, ``<storage.root>/models/<run_id>``, when storage is a local folder; with an ``s3://`` root, in this
     machine's cache (``<cache>/trained/<run_id>``). The same files are logged to the MLflow run as ``adapter``."""
-    if storage.is_s3(cfg.storage.root):
-        out = storage.cache_root() / "trained" / run_id
-    else:
-        out = Path(cfg.storage.root).expanduser().resolve() / "models" / run_id
-    shutil.rmtree(out, ignore_errors=True)
+    out = run_folder(cfg, run_id, "models", cached_as="trained")
     out.mkdir(parents=True)
+    return out
+
+
+def run_folder(cfg: ClarifierConfig, run_id: str, kind: str, cached_as: str | None = None) -> Path:
+    """Where a run's local output of one ``kind`` (``models``, ``eval``) goes, removed first (a rerun writes it
+    again; its writer creates it): ``<storage.root>/<kind>/<run_id>`` when storage is a local folder, else
+    ``<cache>/<cached_as or kind>/<run_id>`` on this machine."""
+    if storage.is_s3(cfg.storage.root):
+        out = storage.cache_root() / (cached_as or kind) / run_id
+    else:
+        out = Path(cfg.storage.root).expanduser().resolve() / kind / run_id
+    shutil.rmtree(out, ignore_errors=True)
     return out
 
 
