@@ -25,6 +25,7 @@ _EXPORTS = {
     "prepare": "clarifier.data.pipeline", "load_split": "clarifier.data.outputs",
     "read_manifest": "clarifier.data.outputs",
     "train": "clarifier.train.trainer", "TrainResult": "clarifier.train.trainer",
+    "adapt_head": "clarifier.train.adapt", "AdaptError": "clarifier.train.adapt",
     "evaluate": "clarifier.evaluation.evaluate", "run_audit": "clarifier.evaluation.audit",
     "register_adapter": "clarifier.registry.registry", "promote": "clarifier.registry.promotion",
     "rollback": "clarifier.registry.promotion",

@@ -408,6 +408,78 @@ def eval_cmd(model: str = typer.Option(..., help="models:/name@alias, runs:/<id>
 
 
 @app.command()
+def adapt(model: str = typer.Option(..., help="The model to adapt: builtin:<name>, models:/name@alias, "
+                                     "runs:/<id>/adapter, s3:// prefix or folder."),
+          data: str = typer.Option(..., help="Your labelled turns (needs_clarification set): evaluation-set JSONL "
+                                    "(file, folder, s3://) or a data-job output folder (its --split)."),
+          out: Path = typer.Option(..., help="Folder for the adapted model: a copy of MODEL with the new decision "
+                                   "head and threshold."),
+          start: str = typer.Option("auto", help="auto: keep whichever ranks your turns better out of fold; head: the "
+                                    "model's own head moved towards your labels; scratch: a head on your turns alone."),
+          split: str = typer.Option("train", help="The split of a data-job output folder to learn from."),
+          experiment: Optional[str] = typer.Option(None, help="Also log the adapted model as a run of this MLflow "
+                                                   "experiment (artifact 'adapter'), to register and promote it."),
+          config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Fit the model's decision head to your own labelled turns (minutes on a CPU): a new model folder, and how
+    well it ranks those turns before and after (cross-validated)."""
+    from clarifier.evaluation.evaluate import load_eval_data
+    from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
+    from clarifier.train.adapt import AdaptError, adapt_head
+
+    cfg = _cfg(config, overrides)
+    ed = load_eval_data(data, split, report=_say)
+    if not ed.examples:
+        err_console.print(f"[red]no labelled turns in {escape(data)}[/red]"
+                          + (f" ({len(ed.skipped)} lines skipped: see above)" if ed.skipped else ""))
+        raise typer.Exit(2)
+    try:
+        res = adapt_head(model, ed.examples, out, start=start, max_over_asking=cfg.eval.max_over_asking,
+                         data_name=ed.name, data_fingerprint=ed.fingerprint, cache_dir=cfg.model.cache_dir,
+                         tracking_uri=resolve_tracking_uri(cfg.tracking.tracking_uri), precision=cfg.model.precision,
+                         batch_size=cfg.train.decision_head.batch_size,
+                         seed=cfg.train.seed, progress=_say)
+    except AdaptError as exc:
+        err_console.print(f"[red]cannot adapt:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
+    _print_adapted(res)
+    if experiment:
+        from clarifier.train.adapt import log_adapted
+
+        run_id = log_adapted(res["folder"], res, experiment, resolve_tracking_uri(cfg.tracking.tracking_uri))
+        _say(f"[adapt] logged as MLflow run {run_id} (experiment {experiment}); register it:\n"
+             f"  clarifier models register --run-id {run_id} --name {cfg.registry.model_name} --alias challenger")
+
+
+def _print_adapted(res: dict) -> None:
+    from rich.table import Table
+
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    table = Table(title=f"AUROC on your {res['n']} labelled turns ({res['clarify']} need a question; fitted heads: "
+                        "out of fold)")
+    for col in ("decision", "AUROC", "C"):
+        table.add_column(col)
+    kept = lambda name: "[bold]kept:[/bold] " if name == res["kept"] else ""  # noqa: E731
+    table.add_row(f"{kept('shipped')}its {res['before']['decided_by']} as it is", fmt(res["before"]["auroc"]), "")
+    for name, h in res["heads"].items():
+        label = {"head": "its head moved to your labels", "scratch": "a head on your turns alone"}[name]
+        table.add_row(kept(name) + label, fmt(h["cv_auroc"]), f"{h['c']:g}")
+    console.print(table)
+    before, at = res["before"], res["at_threshold"]
+    if before.get("at_threshold"):
+        b = before["at_threshold"]
+        _say(f"[adapt] as it is, at its threshold {before['threshold']:.3f}: recall {fmt(b['recall'])}, over-asking "
+             f"{fmt(b['over_asking_rate'])}, F1 {fmt(b['f1'])}")
+    if res["kept"] == "shipped":
+        _say("[adapt] neither fitted head ranks your turns better than the model as it is: the copy keeps its decision "
+             "and only sets its threshold on your turns")
+    _say(f"[adapt] kept: threshold {res['threshold']:.3f} ({res['rule']}): recall {fmt(at['recall'])}, "
+         f"over-asking {fmt(at['over_asking_rate'])}, F1 {fmt(at['f1'])}")
+    _say(f"[adapt] wrote {res['folder']} (adapt.json says how). These figures come from the turns it learned from "
+         f"(out of fold); confirm on turns kept apart:\n  clarifier eval --model {res['folder']} --data HELD_OUT.jsonl\n"
+         f"  clarifier serve serve.model_uri={res['folder']}")
+
+
+@app.command()
 def audit(logs: Optional[str] = typer.Option(None, help="Folder, file or s3:// prefix of chat transcripts (OpenAI "
                                               "messages), conversation logs or examples: JSONL, JSONL.gz, Parquet."),
           model: Optional[str] = typer.Option(None, help="models:/name@alias, runs:/..., s3:// or a folder; default: "

@@ -1,0 +1,177 @@
+"""Fit a model's decision head to one's own labelled turns: ``clarifier adapt``.
+
+The public clarification sets disagree about what makes a turn need a question (README, leave-one-dataset-out):
+a model trained on them ranks an assistant whose conversations look like none of them near chance. The decision
+(:mod:`clarifier.engine.decision_head`) is a logistic regression on the model's hidden states; refitting it on a
+few hundred labelled turns of one's own takes one forward pass per turn and seconds of fitting, and leaves the
+adapter (questions, grounding) as trained.
+
+Two heads are fitted (:func:`clarifier.train.decision_head.fit_on_labels`), each by stratified cross-validation on
+the labelled turns: ``head``, the model's own head moved towards the labels (a penalty pulls it to the shipped
+weights, so few labels adjust it and many can override it), and ``scratch``, a head on the labels alone. The one
+with the better out-of-fold AUROC is kept (or the one asked for), its threshold chosen on its out-of-fold scores by
+the product's rule (best recall asking about at most ``max_over_asking`` of clear turns). The model's decision
+before adapting is scored on the same turns (no fitting), so the report says what the labels bought. Every
+figure is measured on the turns the head learns from, out of fold: an estimate, to be confirmed with
+``clarifier eval`` on turns kept apart.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+MIN_PER_CLASS = 5  # labelled turns of each class below which adapting is refused
+STARTS = ("auto", "head", "scratch")
+
+
+class AdaptError(ValueError):
+    """The labelled turns or the model cannot be adapted (says which and why)."""
+
+
+def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = "auto", max_over_asking: float | None = 0.1,
+               data_name: str = "", data_fingerprint: str = "", cache_dir=None, tracking_uri: str | None = None,
+               precision: str = "auto",
+               batch_size: int = 8, seed: int = 0, progress: Callable[[str], None] = print) -> dict:
+    """Write to ``out`` a copy of the model at ``model_uri`` whose decision head is fitted on ``examples`` (labelled
+    turns: ``needs_clarification`` set), with its threshold; returns the summary ``clarifier.json`` records under
+    ``decision_head.adapted``."""
+    import numpy as np
+
+    from clarifier.core.config import DecisionHeadConfig
+    from clarifier.core.metrics import auroc
+    from clarifier.engine.decision_head import check_pooling, resolve_layers
+    from clarifier.engine.inference import read_meta, write_meta
+    from clarifier.engine.loading import load_engine, resolve_model
+    from clarifier.engine.pipeline import is_pipeline_folder
+    from clarifier.train.calibrate import choose_threshold
+    from clarifier.train.decision_head import fit_on_labels, fitted_head, hidden_features
+
+    if start not in STARTS:
+        raise AdaptError(f"start {start!r}: one of {', '.join(STARTS)}")
+    y = np.array([bool(e.needs_clarification) for e in examples])
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    if min(n_pos, n_neg) < MIN_PER_CLASS:
+        raise AdaptError(f"labelled turns{f' in {data_name}' if data_name else ''}: {n_pos} need a question and "
+                         f"{n_neg} do not; adapting needs at least {MIN_PER_CLASS} of each (a few hundred turns, "
+                         "labelled as they come, is what the README's measurement used)")
+    t0 = time.time()
+    resolved = resolve_model(model_uri, tracking_uri=tracking_uri)
+    dst = Path(out).expanduser().resolve()
+    if dst == resolved.folder.resolve():
+        raise AdaptError(f"--out {dst} is the model's own folder; name a new one")
+    engine = load_engine(resolved.folder, version=resolved.version, cache_dir=cache_dir, precision=precision)
+    if is_pipeline_folder(resolved.folder):
+        raise AdaptError(f"{model_uri} is a pipeline model (three adapters); adapting fits the decision head of a "
+                         "joint model")
+    head = engine.decision_head
+    n_layers = engine.model.config.num_hidden_layers
+    if head is not None:
+        layers, pooling = list(head.layers), list(head.pooling)
+    else:
+        defaults = DecisionHeadConfig()
+        layers, pooling = resolve_layers(defaults.layers, n_layers), check_pooling(defaults.pooling)
+    progress(f"[adapt] {model_uri}: {len(examples)} labelled turns ({n_pos} need a question); its decision: "
+             + (f"decision head on layers {layers} ({'+'.join(pooling)})" if head is not None else "decision tokens")
+             + f"; reading its states ({engine.precision})")
+    token, x = hidden_features(engine, examples, layers, batch_size, "labelled", progress, pooling)
+
+    if head is not None:
+        import torch
+
+        before_scores = [float(v) for v in head.probability(torch.as_tensor(x, dtype=torch.float32))]
+    else:
+        before_scores = [float(v) for v in token]
+    before = {"decided_by": "decision head" if head is not None else "decision tokens",
+              "auroc": auroc(list(y), before_scores), "threshold": engine.threshold,
+              "at_threshold": _at(y, before_scores, engine.threshold)}
+
+    # "shipped": the decision as it is, only its threshold set on these turns (nothing fitted: its AUROC is as fair
+    # as the others' out-of-fold figures); kept when neither fitted head ranks the turns better
+    fits = {"shipped": {"c": None, "cv_auroc": before["auroc"], "oof": before_scores, "tried": []}}
+    prior_ok = head is not None and head.clip is None
+    if start in ("auto", "head"):
+        if prior_ok:
+            fits["head"] = fit_on_labels(x, y, (head.weight.double().numpy(), head.bias), seed=seed)
+        elif start == "head":
+            raise AdaptError("start 'head': the model has no unclipped decision head to start from "
+                             + ("(its head clips its features)" if head is not None else "(it decides by its tokens)")
+                             + "; use start 'scratch'")
+    if start in ("auto", "scratch"):
+        fits["scratch"] = fit_on_labels(x, y, seed=seed)
+    for name, f in fits.items():
+        if name != "shipped":
+            progress(f"[adapt] {name}: C={f['c']:g}, out-of-fold AUROC {f['cv_auroc']:.3f}")
+    if start == "auto":
+        kept = max(fits, key=lambda k: (fits[k]["cv_auroc"] or 0.0, k == "shipped"))  # a tie keeps it as shipped
+    else:
+        kept = start
+    fit = fits[kept]
+    thr, rule = choose_threshold(list(y), fit["oof"], max_over_asking)
+    at = _at(y, fit["oof"], thr)
+    summary = {
+        "data": data_name, "data_fingerprint": data_fingerprint, "n": len(examples), "clarify": n_pos,
+        "kept": kept, "start": start, "before": before,
+        "heads": {k: {"c": f["c"], "cv_auroc": f["cv_auroc"], "tried": f["tried"]} for k, f in fits.items()
+                  if k != "shipped"},
+        "threshold": thr, "rule": rule, "at_threshold": _at(y, fit["oof"], thr),
+        "from": str(model_uri), "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0, 1),
+    }
+
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(resolved.folder, dst, ignore=shutil.ignore_patterns("MODEL_CARD.md", "card.json"))
+    meta = read_meta(dst)
+    old = meta.decision_head or {}
+    if kept == "shipped":
+        head_meta = {**old, "adapted": summary} if head is not None else None
+    else:
+        fitted_head(fit, layers, pooling).save(dst)
+        head_meta = {"layers": layers, "layer_fractions": old.get("layer_fractions"), "pooling": pooling, "clip": None,
+                     "c": fit["c"], "n_train": len(examples), "precision": engine.precision, "adapted": summary}
+    write_meta(dst, replace(meta, threshold=thr, decision_head=head_meta, calibration={
+        "split": "adapt" + ("" if kept == "shipped" else " (out of fold)"), "n": at["n"], "tp": at["tp"],
+        "fn": at["fn"], "tn": at["tn"], "fp": at["fp"], "rule": rule}))
+    (dst / "adapt.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return {**summary, "folder": str(dst)}
+
+
+def log_adapted(folder: str | Path, summary: dict, experiment: str, tracking_uri: str | None = None) -> str:
+    """Log an adapted model folder as an MLflow run of ``experiment`` (its files as the ``adapter`` artifact, as a
+    training run logs them; the labelled set, the kept head and its figures as params and metrics), so that
+    ``clarifier models register --run-id`` and the promotion gate take it like a trained model. Returns the run id."""
+    import mlflow
+
+    from clarifier.runtime.mlflow_uri import check_reachable
+
+    if tracking_uri:
+        check_reachable(tracking_uri)
+        mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_experiment(experiment)
+    meta = json.loads((Path(folder) / "clarifier.json").read_text())
+    with mlflow.start_run(run_name=f"adapt-{Path(folder).name}") as run:
+        mlflow.set_tags({"clarifier.stage": "adapt", "clarifier.adapted_from": summary["from"],
+                         "clarifier.base_model": meta.get("base_model", ""), "clarifier.data": summary["data"],
+                         "clarifier.data_fingerprint": summary["data_fingerprint"]})
+        mlflow.log_params({"adapt.kept": summary["kept"], "adapt.start": summary["start"], "adapt.n": summary["n"],
+                           "adapt.clarify": summary["clarify"], "adapt.threshold_rule": summary["rule"]})
+        metrics = {"adapt/threshold": summary["threshold"], "adapt/before_auroc": summary["before"]["auroc"],
+                   **{f"adapt/{k}_cv_auroc": h["cv_auroc"] for k, h in summary["heads"].items()},
+                   **{f"adapt/kept_{k}": v for k, v in summary["at_threshold"].items()
+                      if k in ("recall", "precision", "f1", "over_asking_rate")}}
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
+        mlflow.log_artifacts(str(folder), artifact_path="adapter")
+        return run.info.run_id
+
+
+def _at(y, scores, threshold) -> dict:
+    """Decision figures of ``scores`` at ``threshold`` (None: no threshold to apply)."""
+    from clarifier.core.metrics import decision_metrics
+
+    if threshold is None:
+        return {}
+    at = decision_metrics(list(y), [s >= threshold for s in scores])
+    return {k: at[k] for k in ("recall", "precision", "f1", "over_asking_rate", "n", "tp", "fn", "tn", "fp")}
