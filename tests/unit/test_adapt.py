@@ -99,6 +99,11 @@ def test_adapting_refuses_what_it_cannot_do(headed_model, tmp_path):
         adapt_head(str(headed_model), few, tmp_path / "out", precision="fp32")
     with pytest.raises(AdaptError, match="is the model's own folder"):
         adapt_head(str(headed_model), labelled_turns(20, "u"), headed_model, precision="fp32")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's own files")
+    with pytest.raises(AdaptError, match="exists and is not an earlier `clarifier adapt` output"):
+        adapt_head(str(headed_model), labelled_turns(20, "u"), tmp_path / "mine", precision="fp32")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "a user's own files"  # never emptied
     with pytest.raises(AdaptError, match="start 'sideways'"):
         adapt_head(str(headed_model), labelled_turns(20, "u"), tmp_path / "out", start="sideways")
     assert not (tmp_path / "out").exists()
@@ -116,6 +121,9 @@ def test_cli_adapts_from_a_jsonl_file_and_names_a_one_class_file(headed_model, t
     assert res.exit_code == 0, res.output
     assert "AUROC on your 30 labelled turns (15 need a question" in res.output and "kept:" in res.output
     assert "clarifier eval --model" in res.output and (tmp_path / "adapted" / "adapt.json").is_file()
+    again = CliRunner().invoke(app, ["adapt", "--model", str(headed_model), "--data", str(path), "--out",
+                                     str(tmp_path / "adapted"), "model.precision=fp32"])
+    assert again.exit_code == 0, again.output  # an earlier adapt output is replaced
 
     clear = tmp_path / "clear.jsonl"
     clear.write_text("".join(e.model_dump_json() + "\n" for e in labelled_turns(30, "u") if not e.needs_clarification))

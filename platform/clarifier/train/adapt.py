@@ -64,6 +64,9 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
     dst = Path(out).expanduser().resolve()
     if dst == resolved.folder.resolve():
         raise AdaptError(f"--out {dst} is the model's own folder; name a new one")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not (dst / "adapt.json").is_file():
+        raise AdaptError(f"--out {dst} exists and is not an earlier `clarifier adapt` output (no adapt.json); "
+                         "name a new folder, or remove it first")
     engine = load_engine(resolved.folder, version=resolved.version, cache_dir=cache_dir, precision=precision)
     if is_pipeline_folder(resolved.folder):
         raise AdaptError(f"{model_uri} is a pipeline model (three adapters); adapting fits the decision head of a "
@@ -118,7 +121,7 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
         "kept": kept, "start": start, "before": before,
         "heads": {k: {"c": f["c"], "cv_auroc": f["cv_auroc"], "tried": f["tried"]} for k, f in fits.items()
                   if k != "shipped"},
-        "threshold": thr, "rule": rule, "at_threshold": _at(y, fit["oof"], thr),
+        "threshold": thr, "rule": rule, "at_threshold": at,
         "from": str(model_uri), "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0, 1),
     }
 
