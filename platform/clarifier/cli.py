@@ -427,6 +427,7 @@ def adapt(model: str = typer.Option(..., help="The model to adapt: builtin:<name
     from clarifier.train.adapt import AdaptError, adapt_head
 
     cfg = _cfg(config, overrides)
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     ed = load_eval_data(data, split, report=_say)
     if not ed.examples:
         err_console.print(f"[red]no labelled turns in {escape(data)}[/red]"
@@ -435,7 +436,7 @@ def adapt(model: str = typer.Option(..., help="The model to adapt: builtin:<name
     try:
         res = adapt_head(model, ed.examples, out, start=start, max_over_asking=cfg.eval.max_over_asking,
                          data_name=ed.name, data_fingerprint=ed.fingerprint, cache_dir=cfg.model.cache_dir,
-                         tracking_uri=resolve_tracking_uri(cfg.tracking.tracking_uri), precision=cfg.model.precision,
+                         tracking_uri=tracking_uri, precision=cfg.model.precision,
                          batch_size=cfg.train.decision_head.batch_size,
                          seed=cfg.train.seed, progress=_say)
     except AdaptError as exc:
@@ -445,7 +446,7 @@ def adapt(model: str = typer.Option(..., help="The model to adapt: builtin:<name
     if experiment:
         from clarifier.train.adapt import log_adapted
 
-        run_id = log_adapted(res["folder"], res, experiment, resolve_tracking_uri(cfg.tracking.tracking_uri))
+        run_id = log_adapted(res["folder"], res, experiment, tracking_uri)
         _say(f"[adapt] logged as MLflow run {run_id} (experiment {experiment}); register it:\n"
              f"  clarifier models register --run-id {run_id} --name {cfg.registry.model_name} --alias challenger")
 

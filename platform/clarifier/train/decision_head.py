@@ -151,7 +151,7 @@ def _logistic(z, y, c: float, w0: tuple | None = None):
     from scipy.optimize import minimize
     from sklearn.linear_model import LogisticRegression
 
-    weights = np.where(y, len(y) / (2 * y.sum()), len(y) / (2 * (~y).sum()))
+    weights = np.asarray(balanced_weights(["labelled"] * len(y), list(y)))  # one source: the classes weigh the same
     if w0 is None:
         return LogisticRegression(C=c, max_iter=3000).fit(z, y, sample_weight=weights)
     coef0, b0 = w0
