@@ -21,9 +21,11 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]
 
 # Steps take ~0.1 s and checkpoints (every 2 steps) ~2 s here; restarting `mlflow server` takes
-# 10-45 s on a busy 2-core box, so the outage lasts OUTAGE_STEPS steps plus the restart, and
-# MAX_STEPS leaves training running after the server is back.
-MAX_STEPS = 60
+# 10-45 s on a busy 2-core box, so the outage lasts OUTAGE_STEPS steps plus the restart. From step
+# HOLD_FROM on the worker waits until the test says the server is back (``support.faults.HoldFrom``),
+# so that training always has steps left to log to the restarted server, however slow the restart.
+MAX_STEPS = 30
+HOLD_FROM = MAX_STEPS - 2
 OUTAGE_STEPS = 6  # steps trained with the server down before it is restarted (at least)
 
 
@@ -84,6 +86,7 @@ def test_tracking_outage_mid_training_loses_no_metrics(own_mlflow, mlflow_global
     from clarifier.train.tracking import parse_step_ranges
     from clarifier.train.trainer import train
     from support.config import tiny_lora
+    from support.faults import HoldFrom
 
     write_logs(str(tmp_path / "logs"), 40, seed=5, shards=1)
     cfg = build_config({}, [
@@ -97,9 +100,12 @@ def test_tracking_outage_mid_training_loses_no_metrics(own_mlflow, mlflow_global
     msgs: list[str] = []
     box: dict = {}
 
+    restarted = tmp_path / "server-restarted"
+
     def run():
         try:
-            box["res"] = train(cfg, progress=lambda m: (msgs.append(m), print(m)))
+            box["res"] = train(cfg, progress=lambda m: (msgs.append(m), print(m)),
+                               callbacks=[HoldFrom(HOLD_FROM, str(restarted))])
         except BaseException as exc:  # surfaced by the main thread
             box["err"] = exc
 
@@ -132,7 +138,8 @@ def test_tracking_outage_mid_training_loses_no_metrics(own_mlflow, mlflow_global
     t_restart = time.time()
     own_mlflow["start"]()
     t_up = time.time()
-    assert last_checkpoint() < MAX_STEPS, f"training ended before the server was back (raise MAX_STEPS): {box}"
+    assert last_checkpoint() < MAX_STEPS, f"training ended before the server was back: {box}"
+    restarted.touch()  # the worker may go on past HOLD_FROM
     # The buffered steps arrive once the worker's tracker reaches the server again.
     _wait("the steps logged during the outage", lambda: {m.step for m in losses(run_id)} >= set(range(1, during + 1)),
           120, every_s=0.2)

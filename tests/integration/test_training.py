@@ -3,8 +3,9 @@
 Exact resume:
 
 (a) a worker killed mid-run (``support.faults.ExitOnceAt``: os._exit) is restarted by FailureConfig from the
-    last checkpoint and ends with the same per-step losses as an uninterrupted run, in one MLflow
-    run without duplicated steps;
+    last checkpoint, which every rank uploaded to an S3-compatible store (moto's server on loopback), and
+    ends with the same per-step losses as an uninterrupted run with local checkpoints, in one MLflow run
+    without duplicated steps;
 (b) a ZeRO-3 checkpoint written by 2 workers is restored by 2 workers when the driver is rerun with
     the same train.run_name (optimizer state verified by checksum, step counter, same MLflow run).
 Variants: ``train.variant=pipeline`` trains when/how/what adapters (nested MLflow runs) whose
@@ -53,7 +54,8 @@ def _history(client, run_id: str, key: str = "train/loss") -> list[tuple[int, fl
 
 @pytest.mark.reliability
 @pytest.mark.timeout(900)
-def test_killed_worker_resumes_exactly(prepared, mlflow_server, reliability):
+def test_killed_worker_resumes_exactly_from_s3(prepared, mlflow_server, s3_server, s3_bucket, reliability):
+    import boto3
     from mlflow import MlflowClient
 
     from clarifier.core.config import build_config
@@ -61,9 +63,24 @@ def test_killed_worker_resumes_exactly(prepared, mlflow_server, reliability):
 
     client = MlflowClient()
     ref = train(build_config({}, [*prepared, *EXACT, "train.experiment=resume-a", "train.run_name=ref"]), progress=print)
+    # the faulty run keeps its checkpoints (Ray Train's storage) in S3; its data stays where the fixture put it
     faulty = train(build_config({}, [*prepared, *EXACT, "train.experiment=resume-a", "train.run_name=faulty",
-                                     "train.max_failures=1"]), progress=print, callbacks=[ExitOnceAt(3)])
+                                     f"storage.root=s3://{s3_bucket}/store", "train.max_failures=1"]),
+                   progress=print, callbacks=[ExitOnceAt(3)])
     assert ref.steps == faulty.steps == 6 and ref.precision == faulty.precision == "fp32"
+
+    # Every rank uploaded its part of each checkpoint to S3: the adapter, both ZeRO optimizer shards, both
+    # ranks' RNG state, and the step counter with the MLflow run it continues.
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket, Prefix="store/ray_results/train-faulty/")
+    keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+    final = [k for k in keys if "/checkpoint_step00000006/" in k and not k.endswith("/")]  # no dir markers
+    assert any(k.endswith("adapter_model.safetensors") for k in final), keys
+    assert sum(k.endswith("optim_states.pt") for k in final) == 2  # both ranks' ZeRO shards uploaded
+    assert {k.rsplit("/", 1)[1] for k in final if "/rank_state/" in k} == {"rank0.pt", "rank1.pt"}
+    state = json.loads(s3.get_object(Bucket=s3_bucket, Key=next(k for k in final if k.endswith("train_state.json")))
+                       ["Body"].read())
+    assert state["step"] == 6 and state["mlflow_run_id"] == faulty.run_id
 
     # One MLflow run for the faulty training, resumed once at step 2, no duplicated steps.
     runs = client.search_runs([client.get_experiment_by_name("resume-a").experiment_id],
@@ -93,9 +110,9 @@ def test_killed_worker_resumes_exactly(prepared, mlflow_server, reliability):
     killed = ts[3] if ts[3] < resumed_at else ts[2]
     assert faulty.tracking["lost_steps"] == 0
     reliability(fault="training worker killed", injected="last of 2 workers `os._exit`s after step 3 of 6 "
-                "(a worker callback); checkpoints every 2 steps", at_risk="1 step trained since the last checkpoint",
+                "(a worker callback); checkpoints every 2 steps, in S3", at_risk="1 step trained since the last checkpoint",
                 lost="0 steps (same per-step losses, LRs and adapter as an uninterrupted run)",
-                recovered="1 step recomputed from the step-2 checkpoint; 6/6 steps in one MLflow run",
+                recovered="1 step recomputed from the step-2 checkpoint (read back from S3); 6/6 steps in one MLflow run",
                 time_to_recover_s=round(ts[4] - killed, 1))
 
 

