@@ -380,7 +380,7 @@ def eval_cmd(model: str = typer.Option(..., help="models:/name@alias, runs:/<id>
              data: Optional[str] = typer.Option(None, help="Data-job output folder, evaluation-set JSONL (file, folder, "
                                                 "s3://) or builtin:probes: hand-written behaviour checks (default data.output)."),
              run_id: Optional[str] = typer.Option(None, help="Log the report to this MLflow run."),
-             out: Optional[Path] = typer.Option(None, help="Folder for report.json / report.md / plots."),
+             out: Optional[Path] = typer.Option(None, help="Folder for report.json / report.md / plots (default: a new <storage.root>/eval/<UTC time>-<id>)."),
              compare: Optional[list[str]] = typer.Option(
                  None, help="NAME=URI: another model in the same report (repeatable), e.g. pipeline=runs:/<id>/adapter."),
              config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,

@@ -125,6 +125,22 @@ def test_cli_adapts_from_a_jsonl_file_and_names_a_one_class_file(headed_model, t
                                      str(tmp_path / "adapted"), "model.precision=fp32"])
     assert again.exit_code == 0, again.output  # an earlier adapt output is replaced
 
+    # the next step it prints: `clarifier eval`; without --out its report goes to a new folder under
+    # <storage.root>/eval (kept, and said), not to a temporary folder
+    store = tmp_path / "store"
+    seen: set = set()
+    for run in range(2):
+        res = CliRunner().invoke(app, ["eval", "--model", str(tmp_path / "adapted"), "--data", str(path),
+                                       f"storage.root={store}", "eval.semantic_encoder=null", "eval.max_new_tokens=4",
+                                       "eval.baselines=[]", "model.precision=fp32"])
+        assert res.exit_code == 0, res.output
+        new = {p.parent for p in (store / "eval").glob("*/report.json")} - seen
+        assert len(new) == 1 and len(seen) == run  # one new folder; an earlier report is never replaced
+        folder = new.pop()
+        assert folder.name in res.output.replace("\n", "")  # and the command says where it is
+        assert json.loads((folder / "report.json").read_text())["n"] == 30
+        seen.add(folder)
+
     clear = tmp_path / "clear.jsonl"
     clear.write_text("".join(e.model_dump_json() + "\n" for e in labelled_turns(30, "u") if not e.needs_clarification))
     res = CliRunner().invoke(app, ["adapt", "--model", str(headed_model), "--data", str(clear), "--out",

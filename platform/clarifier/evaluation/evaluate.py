@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,8 +165,8 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
              out_dir: str | None = None, progress=print, table: bool = True) -> dict:
     """Evaluate ``model_uri`` (models:/, runs:/, s3:// or folder) and the configured baselines.
 
-    Returns the report dict (also written as JSON/Markdown/PNG to ``out_dir`` and, with
-    ``run_id``, logged to that MLflow run as metrics ``eval/<metric>`` and artifacts ``eval/``).
+    Returns the report dict (also written as JSON/Markdown/PNG to ``out_dir``, by default a new
+    :func:`default_report_folder` under ``storage.root``, and, with ``run_id``, logged to that MLflow run as metrics ``eval/<metric>`` and artifacts ``eval/``).
     ``table=False`` leaves the table out of ``progress`` (the quickstart ends with its own summary).
     Scoring and generation run in this process (``eval.engine=local``) or in a pool of Ray Data
     actors (``eval.engine=ray``); the always-ask, never-ask and lexical baselines are always in it.
@@ -239,7 +239,7 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
                  "of clarifier.evaluation.baselines (pronoun/short query + 2+ candidate entities in the history).",
         "models": models, "samples": samples, "n_mistakes": len(mistakes), "mistakes": mistakes[:MAX_MISTAKES],
     }
-    out = Path(out_dir or tempfile.mkdtemp(prefix="clarifier-eval-"))
+    out = Path(out_dir) if out_dir else default_report_folder(cfg)
     paths = write_report(report, out)
     (out / "samples.json").write_text(json.dumps(samples, indent=2))
     if table:
@@ -253,12 +253,20 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     return report
 
 
+def default_report_folder(cfg: ClarifierConfig) -> Path:
+    """Where a report goes when no folder is named: ``<storage.root>/eval/<UTC time>-<6 hex>`` (an ``s3://``
+    root: the same under the local cache), beside the training runs' own evaluation copies, kept and said."""
+    from clarifier.train.trainer import run_folder
+
+    return run_folder(cfg, f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}", "eval")
+
+
 def evaluate_training_run(cfg: ClarifierConfig, model_dir: str, run_id: str, *, out_dir: str | None = None,
                           progress=print) -> dict | None:
     """The evaluation every training run ends with: ``model_dir`` on ``eval.split`` of ``data.output``,
     logged to the training run ``run_id`` (metrics ``eval/...``, artifacts ``eval/``: report.md, report.json,
-    plots; the local copy in ``out_dir``). Returns the report, or None (said in one line) when the data has no
-    such split to evaluate on."""
+    plots; the local copy in ``out_dir``, default ``<storage.root>/eval/<run_id>``). Returns the report, or None
+    (said in one line) when the data has no such split to evaluate on."""
     from clarifier.data.outputs import read_manifest
 
     data = cfg.data.output
@@ -272,6 +280,10 @@ def evaluate_training_run(cfg: ClarifierConfig, model_dir: str, run_id: str, *, 
     if not splits.get(cfg.eval.split, {}).get("examples"):
         progress(f"[eval] skipped: split {cfg.eval.split!r} of {data} is empty (set eval.split to another split)")
         return None
+    if out_dir is None:
+        from clarifier.train.trainer import run_folder
+
+        out_dir = str(run_folder(cfg, run_id, "eval"))
     report = evaluate(cfg, model_dir, data, run_id=run_id, out_dir=out_dir, progress=progress)
     progress(f"[eval] report logged to MLflow run {run_id} (artifacts eval/report.md and plots); "
              f"local copy {report['paths']['markdown']}")
