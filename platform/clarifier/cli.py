@@ -338,7 +338,7 @@ def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
     Rerunning with the same train.run_name (and storage.root) resumes from the last checkpoint. The trained model
     is then evaluated on the held-out split (--no-eval skips it); its report is in the run's artifacts under eval/."""
     from clarifier.runtime.cluster import init_ray
-    from clarifier.train.trainer import run_folder, train as run_train
+    from clarifier.train.trainer import train as run_train
 
     if recipe:
         if config:
@@ -369,8 +369,7 @@ def train(config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
     if evaluate_after:
         from clarifier.evaluation.evaluate import evaluate_training_run
 
-        report = evaluate_training_run(cfg, res.model_dir, res.run_id, out_dir=str(run_folder(cfg, res.run_id, "eval")),
-                                       progress=_say)
+        report = evaluate_training_run(cfg, res.model_dir, res.run_id, progress=_say)  # into <storage.root>/eval/<run id>
     _say(json.dumps({"run_id": res.run_id, "model_dir": res.model_dir, "steps": res.steps, "tracking": res.tracking,
                      "eval_report": report["paths"]["markdown"] if report else None}))
 

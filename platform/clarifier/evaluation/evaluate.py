@@ -166,7 +166,8 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     """Evaluate ``model_uri`` (models:/, runs:/, s3:// or folder) and the configured baselines.
 
     Returns the report dict (also written as JSON/Markdown/PNG to ``out_dir``, by default a new
-    :func:`default_report_folder` under ``storage.root``, and, with ``run_id``, logged to that MLflow run as metrics ``eval/<metric>`` and artifacts ``eval/``).
+    :func:`default_report_folder` under ``storage.root``, and, with ``run_id``, logged to that MLflow run as
+    metrics ``eval/<metric>`` and artifacts ``eval/``).
     ``table=False`` leaves the table out of ``progress`` (the quickstart ends with its own summary).
     Scoring and generation run in this process (``eval.engine=local``) or in a pool of Ray Data
     actors (``eval.engine=ray``); the always-ask, never-ask and lexical baselines are always in it.
