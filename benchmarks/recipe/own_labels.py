@@ -80,19 +80,22 @@ def draw_labelled(pool: list, k: int, seed: int) -> list:
     raise SystemExit(f"no draw of {k} turns holds two of each class (the source's train turns are nearly all one class)")
 
 
-def bootstrap_diff(gold: list, reference: list, draws: list[list], n_resamples: int = 1000, seed: int = 0) -> dict:
-    """Percentile interval (95%) of mean-over-draws AUROC minus the reference's, resampling the turns (paired)."""
+def bootstrap_diff(gold: list, reference: list | None, draws: list[list], n_resamples: int = 1000, seed: int = 0,
+                   references: list[list] | None = None) -> dict:
+    """Percentile interval (95%) of mean-over-draws AUROC minus the reference's, resampling the turns (paired);
+    ``references`` (one per draw, in place of ``reference``): each draw minus its own reference."""
     from clarifier.core.metrics import auroc
 
     rng, n, diffs = random.Random(seed), len(gold), []
+    refs = references if references is not None else [reference] * len(draws)
     for _ in range(n_resamples):
         idx = [rng.randrange(n) for _ in range(n)]
         g = [gold[i] for i in idx]
-        ref = auroc(g, [reference[i] for i in idx])
+        base = [auroc(g, [r[i] for i in idx]) for r in refs]
         vals = [auroc(g, [d[i] for i in idx]) for d in draws]
-        if ref is None or any(v is None for v in vals):
+        if any(v is None for v in base + vals):
             continue
-        diffs.append(sum(vals) / len(vals) - ref)
+        diffs.append(sum(v - r for v, r in zip(vals, base)) / len(vals))
     diffs.sort()
     if not diffs:
         return {"mean": None, "interval": None}
@@ -115,12 +118,19 @@ def main() -> None:
                     help="a model trained with the source, by its scores in a paired.py result on the same test split")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--features", default=None, help="an .npz to keep the states in and reuse on a rerun")
+    ap.add_argument("--c-grid", default=None, help="strengths the own and prior heads cross-validate over (comma-"
+                                                   "separated; default clarifier adapt's, LABEL_C_GRID)")
+    ap.add_argument("--c-grid-b", default=None,
+                    help="a second grid: the own, prior and adapt heads fitted again with it on the same draws "
+                         "(rows <head>_b), and adapt_b minus adapt by the paired bootstrap")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     labels = parse_labels(args.labels)
     heads = [h.strip() for h in args.heads.split(",") if h.strip()]
     if not heads or set(heads) - {"mixed", "own", "prior", "adapt"}:
         raise SystemExit(f"--heads {args.heads!r}: name one or more of prior, own, adapt, mixed")
+    if args.c_grid_b:
+        heads += [h + "_b" for h in heads if h != "mixed"]
     if args.draws < 1:
         raise SystemExit("--draws: at least 1")
     in_domain = []
@@ -144,6 +154,15 @@ def main() -> None:
 
     t0 = time.time()
     cfg = DecisionHeadConfig()
+    def grid(text: str | None, flag: str):
+        try:
+            return tuple(float(c) for c in text.split(",")) if text else None
+        except ValueError:
+            raise SystemExit(f"{flag} {text!r}: expected comma-separated numbers") from None
+
+    grids = {"": grid(args.c_grid, "--c-grid") or LABEL_C_GRID}
+    if args.c_grid_b:
+        grids["_b"] = grid(args.c_grid_b, "--c-grid-b")
     splits = {name: load_split(args.data, name) for name in ("train", "dev", "test")}
     src = args.source
     pool = [e for e in splits["train"] if source_of(e) == src]
@@ -196,8 +215,10 @@ def main() -> None:
         x_lab = x_pool[[row_of[e.id] for e in labelled]] if labelled else x_pool[:0]
         if kind == "mixed":
             return fit_on_features(np.vstack([x_others, x_lab]), others + labelled, x_dev, dev, cfg.c_grid)
+        tag = "_b" if kind.endswith("_b") else ""
+        base = kind[: len(kind) - len(tag)]
         y = np.array([bool(e.needs_clarification) for e in labelled])
-        return fit_on_labels(x_lab, y, loo_map if kind == "prior" else None, seed=args.seed)
+        return fit_on_labels(x_lab, y, loo_map if base == "prior" else None, seed=args.seed, c_grid=grids[tag])
 
     loo_fit = fit("mixed", [])
     loo = scored(loo_fit)
@@ -211,15 +232,16 @@ def main() -> None:
             memo[kind, k, seed] = scored(fit(kind, labelled))
         return memo[kind, k, seed]
 
-    def adapted(k, seed, labelled: list) -> dict:
+    def adapted(k, seed, labelled: list, tag: str = "") -> dict:
         """What `clarifier adapt` keeps: the best of the leave-one-out head as it is (its AUROC on the labelled
-        turns), ``prior`` and ``own`` (out of fold); a tie keeps it as it is."""
+        turns), ``prior`` and ``own`` (out of fold; ``tag`` "_b": fitted with the second grid); a tie keeps it as
+        it is."""
         from clarifier.core.metrics import auroc
 
         y = [bool(e.needs_clarification) for e in labelled]
         as_is = auroc(y, [float(v) for v in head_scores(loo_fit, x_pool[[row_of[e.id] for e in labelled]])])
-        options = {"as_is": ({**loo, "cv_auroc": as_is}, 1), "prior": (run("prior", k, seed, labelled), 0),
-                   "own": (run("own", k, seed, labelled), 0)}
+        options = {"as_is": ({**loo, "cv_auroc": as_is}, 1), "prior": (run("prior" + tag, k, seed, labelled), 0),
+                   "own": (run("own" + tag, k, seed, labelled), 0)}
         kept = max(options, key=lambda name: (options[name][0]["cv_auroc"] or 0.0, options[name][1]))
         return {**options[kept][0], "kept": kept}
     references = {}
@@ -240,6 +262,7 @@ def main() -> None:
             print(f"[own] in-domain {name} (trained with {src}): AUROC {s['auroc']:.3f}", flush=True)
 
     results: dict[str, dict] = {}
+    adapt_scores: dict = {}  # k -> the adapt head's test scores per draw (for adapt_b's paired difference)
 
     def save() -> Path:  # after every head, so that a run cut short keeps what it measured
         return write_result(f"recipe-own-labels-{src}", {
@@ -248,7 +271,8 @@ def main() -> None:
                   "other_dev": len(dev)},
             "test_fingerprint": fingerprint_examples(splits["test"]),
             "source_test_fingerprint": fingerprint_examples(test), "draws": args.draws,
-            "c_grid": {"mixed": list(cfg.c_grid), "own_prior_cv": list(LABEL_C_GRID)},
+            "c_grid": {"mixed": list(cfg.c_grid), "own_prior_cv": list(grids[""]),
+                       **({"own_prior_cv_b": list(grids["_b"])} if "_b" in grids else {})},
             "leave_one_out": {k: v for k, v in loo.items() if k != "scores"}, "heads": results,
             "in_domain": references, "seconds": round(time.time() - t0, 1)}, args.out)
 
@@ -265,7 +289,8 @@ def main() -> None:
                 (args.seed + d, draw_labelled(pool, k, args.seed + d)) for d in range(args.draws)]
             draws = []
             for seed, labelled in samples:
-                r = adapted(k, seed, labelled) if kind == "adapt" else run(kind, k, seed, labelled)
+                r = (adapted(k, seed, labelled, kind[5:]) if kind.startswith("adapt")
+                     else run(kind, k, seed, labelled))
                 draws.append({"seed": seed, "clarify": sum(bool(e.needs_clarification) for e in labelled), **r})
             mean = lambda key: (sum(d[key] for d in draws if d[key] is not None)  # noqa: E731
                                 / max(1, sum(d[key] is not None for d in draws)))
@@ -275,6 +300,11 @@ def main() -> None:
                    "diff_vs_leave_one_out": bootstrap_diff(gold, loo["scores"], [d["scores"] for d in draws],
                                                            seed=args.seed),
                    "draws": [{key: v for key, v in d.items() if key != "scores"} for d in draws]}
+            if kind == "adapt":
+                adapt_scores[k] = [d["scores"] for d in draws]
+            if kind == "adapt_b" and k in adapt_scores:  # the same draws, the first grid: paired per draw
+                row["diff_vs_adapt"] = bootstrap_diff(gold, None, [d["scores"] for d in draws], seed=args.seed,
+                                                      references=adapt_scores[k])
             results[kind][str("all" if k is None else k)] = row
             print(f"[own] {kind} k={n}: AUROC {row['auroc_mean']:.3f} (draws {row['auroc_min']:.3f}-"
                   f"{row['auroc_max']:.3f}), R@10%OA {row['recall_at_budget_mean']:.3f}; minus leave-one-out "
