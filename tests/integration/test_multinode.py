@@ -99,11 +99,6 @@ def _ran_on(url: str, ray_job_id: str) -> tuple[dict[str, set[str]], dict[str, s
     return tasks, actors
 
 
-def _keys(s3, bucket: str, prefix: str) -> list[str]:
-    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    return [o["Key"] for page in pages for o in page.get("Contents", [])]
-
-
 @pytest.mark.timeout(1200)  # ~10 min measured on a loaded 2-core box; the cluster start and stop count too
 def test_data_and_training_jobs_run_across_two_nodes(two_node_cluster, s3_server, s3_bucket, mlflow_server,
                                                      tiny_model_dir, monkeypatch):
@@ -112,6 +107,7 @@ def test_data_and_training_jobs_run_across_two_nodes(two_node_cluster, s3_server
     from ray.job_submission import JobSubmissionClient
 
     from clarifier.data.synthetic import write_logs
+    from support.s3 import keys as s3_keys
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     url, nodes = two_node_cluster["url"], two_node_cluster["nodes"]
@@ -129,7 +125,7 @@ def test_data_and_training_jobs_run_across_two_nodes(two_node_cluster, s3_server
     last, out = _submit(["data", "prepare", "--submit", url, *common], timeout=400)
     print(f"[multinode] data job {last['status']} in {time.time() - t0:.0f}s")
     assert last["status"] == "SUCCEEDED", out[-5000:]
-    keys = _keys(s3, s3_bucket, "data/")
+    keys = s3_keys(s3, s3_bucket, "data/")
     assert "data/manifest.json" in keys, keys
     manifest = json.loads(s3.get_object(Bucket=s3_bucket, Key="data/manifest.json")["Body"].read())
     assert manifest["counts"]["rows_read"] == 40 and all(manifest["invariants"].values())
@@ -168,7 +164,7 @@ def test_data_and_training_jobs_run_across_two_nodes(two_node_cluster, s3_server
     assert workers == {nodes["head"], nodes["node_b"]}, (nodes, actors)
 
     # checkpoints under the s3 storage path, written by both ranks
-    keys = _keys(s3, s3_bucket, "store/ray_results/train-multinode/")
+    keys = s3_keys(s3, s3_bucket, "store/ray_results/train-multinode/")
     final = [k for k in keys if "/checkpoint_step00000004/" in k and not k.endswith("/")]
     assert any(k.endswith("adapter_model.safetensors") for k in final), keys
     assert {k.rsplit("/", 1)[1] for k in final if "/rank_state/" in k} == {"rank0.pt", "rank1.pt"}

@@ -60,6 +60,7 @@ def test_killed_worker_resumes_exactly_from_s3(prepared, mlflow_server, s3_serve
 
     from clarifier.core.config import build_config
     from clarifier.train.trainer import train
+    from support.s3 import keys
 
     client = MlflowClient()
     ref = train(build_config({}, [*prepared, *EXACT, "train.experiment=resume-a", "train.run_name=ref"]), progress=print)
@@ -72,10 +73,9 @@ def test_killed_worker_resumes_exactly_from_s3(prepared, mlflow_server, s3_serve
     # Every rank uploaded its part of each checkpoint to S3: the adapter, both ZeRO optimizer shards, both
     # ranks' RNG state, and the step counter with the MLflow run it continues.
     s3 = boto3.client("s3", endpoint_url=s3_server)
-    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket, Prefix="store/ray_results/train-faulty/")
-    keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
-    final = [k for k in keys if "/checkpoint_step00000006/" in k and not k.endswith("/")]  # no dir markers
-    assert any(k.endswith("adapter_model.safetensors") for k in final), keys
+    stored = keys(s3, s3_bucket, "store/ray_results/train-faulty/")
+    final = [k for k in stored if "/checkpoint_step00000006/" in k and not k.endswith("/")]  # no dir markers
+    assert any(k.endswith("adapter_model.safetensors") for k in final), stored
     assert sum(k.endswith("optim_states.pt") for k in final) == 2  # both ranks' ZeRO shards uploaded
     assert {k.rsplit("/", 1)[1] for k in final if "/rank_state/" in k} == {"rank0.pt", "rank1.pt"}
     state = json.loads(s3.get_object(Bucket=s3_bucket, Key=next(k for k in final if k.endswith("train_state.json")))

@@ -4,6 +4,12 @@ in this process, so a restarted server still has them)."""
 from __future__ import annotations
 
 
+def keys(s3, bucket: str, prefix: str) -> list[str]:
+    """Every object key under ``prefix`` (all pages), with a boto3 client ``s3``."""
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
 class RestartableS3:
     def __init__(self):
         from clarifier.runtime.services import free_port
