@@ -4,7 +4,9 @@ baselines (lexical included), semantic similarity and the skipped malformed line
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -54,7 +56,7 @@ def eval_file(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(600)
 def test_ray_engine_equals_local_engine(adapter, tiny_model_dir, ray_local):
-    from clarifier.evaluation.ray_engine import ray_predict
+    from clarifier.engine.ray_pool import ray_predict
     from clarifier.engine.inference import ClarifierEngine
 
     examples = _examples()
@@ -94,6 +96,10 @@ def test_eval_report_local_and_ray_agree_and_carry_baselines_similarity_skips(
         assert remote["models"][name]["metrics"] == local["models"][name]["metrics"], name
         assert remote["models"][name]["scores"] == local["models"][name]["scores"], name
     assert (local["engine"], remote["engine"]) == ("local", "ray")
+    # the folder reached the actors through the object store, not by its path on this disk: unpacked on the node
+    shipped = Path(tempfile.gettempdir()) / "clarifier-shipped"
+    assert any(d.is_dir() and (d / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
+               for d in shipped.iterdir())
 
     # the malformed line is reported by number, skipped and counted
     assert local["n"] == 10 and local["skipped_lines"] == 1
@@ -116,6 +122,52 @@ def test_eval_report_local_and_ray_agree_and_carry_baselines_similarity_skips(
     for entry in rj["models"].values():
         assert "semantic_similarity" in entry["metrics"]["question"]
     assert rj["data_fingerprint"] == load_eval_data(str(eval_file)).fingerprint
+
+
+@pytest.mark.timeout(600)
+def test_after_training_head_and_threshold_come_from_ray_actors(adapter, ray_local, tmp_path, monkeypatch):
+    """eval.engine=ray: the work after training (the decision head's features, the threshold's scores) runs on
+    the Ray actors, the model folder shipped to them: the driver (a cluster job's, on a head node without the
+    job's GPUs) never loads the model, and gets the head and threshold the model loaded in-process gives."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    import clarifier.data.outputs
+    import clarifier.engine.loading
+    from clarifier.core.config import build_config
+    from clarifier.engine.inference import read_meta
+    from clarifier.train import trainer
+
+    splits = {"train": _examples(16), "dev": _examples(10)}
+    monkeypatch.setattr(clarifier.data.outputs, "load_split", lambda root, split: splits[split])
+    head_opts = ["train.decision_head.enabled=true", "train.decision_head.layers=[0.5,1.0]",
+                 "train.decision_head.c_grid=[0.1,1.0]", "train.decision_head.max_per_source=null",
+                 f"train.decision_head.batch_size={BATCH}", f"eval.batch_size={BATCH}", "eval.calibration_split=dev"]
+    ray_opts = ["eval.engine=ray", "eval.ray_actors=1", "eval.ray_cpus_per_actor=1"]
+    folders = {k: shutil.copytree(adapter, tmp_path / k) for k in ("local", "ray", "ray-no-head", "local-no-head")}
+    msgs: list[str] = []
+    local_head, local_cal = trainer._decision_head_and_threshold(build_config({}, head_opts), folders["local"], print)
+    _, local_cal_tokens = trainer._decision_head_and_threshold(
+        build_config({}, head_opts + ["train.decision_head.enabled=false"]), folders["local-no-head"], print)
+
+    def no_model_here(*a, **k):
+        raise AssertionError("the driver loaded the model")
+
+    monkeypatch.setattr(clarifier.engine.loading, "load_engine", no_model_here)
+    head, cal = trainer._decision_head_and_threshold(build_config({}, head_opts + ray_opts), folders["ray"], msgs.append)
+    assert any("read by 1 Ray actor(s)" in m for m in msgs), msgs
+    assert (head["c"], head["n_train"], head["n_dev"]) == (local_head["c"], 16, 10)
+    assert np.allclose(head["dev_scores"], local_head["dev_scores"], atol=1e-5)
+    assert cal["threshold"] == pytest.approx(local_cal["threshold"], abs=1e-5)
+    w_ray, w_local = (load_file(str(folders[k] / "decision_head.safetensors")) for k in ("ray", "local"))
+    assert w_ray.keys() == w_local.keys() and all(np.allclose(w_ray[k], w_local[k], atol=1e-4) for k in w_ray)
+    assert read_meta(folders["ray"]).decision_head["n_train"] == 16
+    # no head: the calibration split is scored by the actors (decision tokens)
+    _, cal_tokens = trainer._decision_head_and_threshold(
+        build_config({}, head_opts + ray_opts + ["train.decision_head.enabled=false"]), folders["ray-no-head"], msgs.append)
+    assert any("scored by 1 Ray actor(s)" in m for m in msgs), msgs
+    assert cal_tokens["threshold"] == pytest.approx(local_cal_tokens["threshold"], abs=1e-5)
+    assert read_meta(folders["ray-no-head"]).threshold == pytest.approx(local_cal_tokens["threshold"], abs=1e-5)
 
 
 @pytest.mark.timeout(300)

@@ -106,6 +106,18 @@ def load_weights(folder: Path, meta: ModelMeta, cache_dir=None, dtype=None):
         f"fully fine-tuned weights (config.json + model.safetensors); {META_FILE} says finetune={meta.finetune!r}")
 
 
+def num_layers(folder: str | Path, cache_dir=None) -> int:
+    """The number of transformer layers of a (non-pipeline) model folder's model, from its configuration alone
+    (no weights loaded): the base model's for a LoRA adapter, the folder's own for full fine-tuning."""
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    path = (resolve_base_model(read_meta(folder).base_model, cache_dir)
+            if (folder / "adapter_config.json").is_file() else str(folder))
+    config = AutoConfig.from_pretrained(path)
+    return int(getattr(config, "num_hidden_layers", None) or config.get_text_config().num_hidden_layers)
+
+
 def positions_from_mask(attention_mask):
     """Position ids of left-padded rows, as ``generate`` computes them: real tokens count from 0."""
     pos = attention_mask.long().cumsum(-1) - 1

@@ -72,7 +72,7 @@ class TurnScorer:
 
     def __init__(self, spec: dict, batch_size: int = 8, cpus: float = 1, reformulation: dict | None = None):
         from clarifier.data.signals import ReformulationScorer
-        from clarifier.evaluation.ray_engine import engine_from_spec
+        from clarifier.engine.ray_pool import engine_from_spec
 
         self.engine = engine_from_spec(spec, cpus)
         self.batch_size = batch_size
@@ -480,7 +480,9 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
     reform = {"encoder": rf.encoder, "min_similarity": rf.min_similarity, "cpus": a.cpus_per_actor} if rf.enabled else None
     if rf.enabled:
         progress(f"[audit] reformulation signal: {rf.encoder or 'all-MiniLM-L6-v2'} similarity >= {rf.min_similarity}")
-    spec = {"model_uri": model_uri, "tracking_uri": tracking_uri, "cache_dir": cfg.model.cache_dir,
+    from clarifier.engine.ray_pool import model_fields
+
+    spec = {**model_fields(model_uri), "tracking_uri": tracking_uri, "cache_dir": cfg.model.cache_dir,
             "max_new_tokens": cfg.eval.max_new_tokens, "precision": cfg.model.precision,
             **({"device": "cuda"} if a.gpus_per_actor else {})}
     precision = describe(cfg.model.precision, "cuda" if a.gpus_per_actor else "cpu")
@@ -593,7 +595,7 @@ def _sample_questions(ray, written, spec: dict, a, progress) -> list[dict]:
     from ray.data.expressions import col
 
     from clarifier.core.schema import Example
-    from clarifier.evaluation.ray_engine import ray_predict
+    from clarifier.engine.ray_pool import ray_predict
 
     k = a.sample_questions
     cand = (written.filter(expr=col("flagged"))

@@ -146,7 +146,7 @@ def _predict(cfg: ClarifierConfig, spec: dict, examples: list[Example], *, engin
              progress=print, bar=None) -> list:
     """Predictions through the configured engine (``eval.engine``): in process, or Ray Data actors."""
     from clarifier.core.metrics import Prediction
-    from clarifier.evaluation.ray_engine import ray_predict
+    from clarifier.engine.ray_pool import ray_predict
 
     if cfg.eval.engine == "ray":
         from clarifier.runtime.cluster import init_ray
@@ -299,6 +299,12 @@ def _model_predictions(cfg: ClarifierConfig, spec: dict, resolved, examples: lis
     if cfg.eval.engine == "local":
         engine = load_engine(resolved.folder, version=resolved.version, cache_dir=cfg.model.cache_dir,
                              max_new_tokens=cfg.eval.max_new_tokens, precision=cfg.model.precision)
+    else:  # a folder on this disk reaches actors on other nodes through the object store
+        from clarifier.engine.ray_pool import model_fields
+        from clarifier.runtime.cluster import init_ray
+
+        init_ray()
+        spec = {**{k: v for k, v in spec.items() if k != "model_uri"}, **model_fields(spec["model_uri"])}
     return _predict(cfg, spec, examples, engine=engine, progress=progress, bar=bar)
 
 

@@ -9,7 +9,9 @@ on the standardised states, every source and class weighing the same (as ``train
 source_class`` draws them), once per strength in ``c_grid``; the strength with the best mean
 within-source AUROC on the calibration split is kept. With ``clip`` the standardised features are first
 limited to ``[-clip, clip]`` (in training and when the engine applies the head). Its dev scores are returned so the threshold is
-calibrated on them without scoring the split again.
+calibrated on them without scoring the split again. The forward passes run where the model is loaded:
+in this process (:class:`LocalFeatures`), or on a pool of Ray scorer actors with the folder shipped to them
+(:class:`RayFeatures`, what a training run uses with ``eval.engine=ray``); the regression is fitted here either way.
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ def balanced_weights(sources: list[str], gold: list[bool]) -> list[float]:
     return [w * scale for w in raw]
 
 
+def length_order(examples, opts) -> list[int]:
+    """Indexes of ``examples`` by the length of their rendered conversation (``opts``: the model's prompt
+    options), so that a batch of neighbours pads little."""
+    from clarifier.core.prompt import render_user_message
+
+    return sorted(range(len(examples)), key=lambda i: len(render_user_message(
+        examples[i].history, examples[i].query, examples[i].passages, opts)))
+
+
 def hidden_features(engine, examples, layers, batch_size: int, label: str, progress: Callable[[str], None],
                     pooling=("last",)):
     """``(decision-token P(clarify), features)`` of ``examples``, in their order; batched by length (the
@@ -41,10 +52,7 @@ def hidden_features(engine, examples, layers, batch_size: int, label: str, progr
     import numpy as np
     import torch
 
-    from clarifier.core.prompt import render_user_message
-
-    order = sorted(range(len(examples)), key=lambda i: len(render_user_message(
-        examples[i].history, examples[i].query, examples[i].passages, engine.opts)))
+    order = length_order(examples, engine.opts)
     token, feats, t0 = [0.0] * len(examples), [], time.time()
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
@@ -59,6 +67,53 @@ def hidden_features(engine, examples, layers, batch_size: int, label: str, progr
     x = np.empty((len(examples), feats[0].shape[1]), dtype=np.float32)
     x[order] = torch.cat(feats).numpy()
     return token, x
+
+
+class LocalFeatures:
+    """A decision head's features from an engine loaded in this process (:func:`hidden_features`)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.n_layers = engine.model.config.num_hidden_layers
+        self.precision = engine.precision
+
+    def __call__(self, examples, layers, pooling, batch_size: int, label: str, progress: Callable[[str], None]):
+        return hidden_features(self.engine, examples, layers, batch_size, label, progress, pooling)
+
+
+class RayFeatures:
+    """A decision head's features computed by a pool of Ray scorer actors (``eval.engine=ray``: ``eval.ray_actors``
+    actors with ``eval.ray_cpus_per_actor`` / ``eval.ray_gpus_per_actor`` each), so the process that fits the head
+    (a training job's driver, on a cluster's head node) never loads the model. The same batches as
+    :func:`hidden_features` (length order), so CPU actors give the same features."""
+
+    def __init__(self, folder: str | Path, *, cache_dir=None, precision: str = "auto", actors: int = 1,
+                 cpus_per_actor: float = 1, gpus_per_actor: float = 0):
+        from clarifier.engine.inference import num_layers, read_meta
+        from clarifier.engine.ray_pool import ship_folder
+
+        self.spec = {**ship_folder(folder), "cache_dir": cache_dir, "precision": precision, "decision_head": False}
+        self.opts = read_meta(folder).prompt_options()
+        self.n_layers = num_layers(folder, cache_dir)
+        self.precision = precision  # until the actors say what they resolved it to
+        self.pool = {"actors": actors, "cpus_per_actor": cpus_per_actor, "gpus_per_actor": gpus_per_actor}
+
+    def __call__(self, examples, layers, pooling, batch_size: int, label: str, progress: Callable[[str], None]):
+        import numpy as np
+
+        from clarifier.engine.ray_pool import ray_features
+
+        t0 = time.time()
+        order = length_order(examples, self.opts)
+        token_sorted, x_sorted, self.precision = ray_features([examples[i] for i in order], self.spec, layers, pooling,
+                                                              batch_size=batch_size, **self.pool)
+        token, x = [0.0] * len(examples), np.empty_like(x_sorted)
+        for pos, i in enumerate(order):
+            token[i] = token_sorted[pos]
+        x[order] = x_sorted
+        progress(f"[head] {label}: {len(examples)}/{len(examples)} on {self.pool['actors']} Ray actor(s) "
+                 f"({len(examples) / max(time.time() - t0, 1e-9):.1f} examples/s)")
+        return token, x
 
 
 def standardised(fit: dict, x):
@@ -182,22 +237,24 @@ def fitted_head(fit: dict, layers: list[int], pooling):
 def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHeadConfig, *, seed: int = 0,
              progress: Callable[[str], None] = print):
     """``(DecisionHead, summary)`` fitted on ``engine``'s hidden states (any engine: a trained model's,
-    or a base model's for a head on the untrained base). The summary has the dev scores (``dev_scores``,
-    in ``dev_examples`` order) and both decisions' dev within-source AUROC."""
+    or a base model's for a head on the untrained base; or :class:`LocalFeatures` / :class:`RayFeatures`).
+    The summary has the dev scores (``dev_scores``, in ``dev_examples`` order) and both decisions' dev
+    within-source AUROC."""
     from clarifier.engine.decision_head import check_pooling, resolve_layers
 
+    features = LocalFeatures(engine) if hasattr(engine, "decision_features") else engine
     t0 = time.time()
     train = (list(train_examples) if cfg.max_per_source is None
              else sample_by_source(train_examples, cfg.max_per_source, seed, clarify_share=0.5))
     for name, rows in (("train sample", train), ("calibration split", dev_examples)):
         if len({e.needs_clarification for e in rows}) < 2:
             raise ValueError(f"decision head: the {name} needs turns of both classes ({len(rows)} examples)")
-    layers, pooling = resolve_layers(cfg.layers, engine.model.config.num_hidden_layers), check_pooling(cfg.pooling)
+    layers, pooling = resolve_layers(cfg.layers, features.n_layers), check_pooling(cfg.pooling)
     clipped = "" if cfg.clip is None else f", features clipped at {cfg.clip:g} sd"
     progress(f"[head] fitting a decision head on layers {layers} ({'+'.join(pooling)}{clipped}): {len(train)} train examples "
              f"({sum(e.needs_clarification for e in train)} need a question), {len(dev_examples)} to choose it")
-    _, x_train = hidden_features(engine, train, layers, cfg.batch_size, "train", progress, pooling)
-    dev_token, x_dev = hidden_features(engine, dev_examples, layers, cfg.batch_size, "dev", progress, pooling)
+    _, x_train = features(train, layers, pooling, cfg.batch_size, "train", progress)
+    dev_token, x_dev = features(dev_examples, layers, pooling, cfg.batch_size, "dev", progress)
 
     dev_gold, dev_sources = [e.needs_clarification for e in dev_examples], [source_of(e) for e in dev_examples]
     fit = fit_on_features(x_train, train, x_dev, dev_examples, cfg.c_grid, cfg.clip)
@@ -206,7 +263,7 @@ def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHead
     token_macro = within_source_summary(dev_gold, dev_token, dev_sources)["macro_auroc"]
     summary = {"layers": layers, "layer_fractions": list(cfg.layers), "pooling": pooling, "clip": cfg.clip, "c": c, "n_train": len(train),
                "n_dev": len(dev_examples), "dev_macro_auroc": macro, "dev_macro_auroc_token": token_macro,
-               "tried": tried, "precision": engine.precision, "seconds": round(time.time() - t0, 1),
+               "tried": tried, "precision": features.precision, "seconds": round(time.time() - t0, 1),
                "dev_scores": [float(s) for s in scores]}
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     progress(f"[head] kept C={c:g}: dev within-source AUROC {fmt(macro)} (decision tokens: {fmt(token_macro)}) "
@@ -216,14 +273,17 @@ def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHead
 
 def fit_decision_head(folder: str | Path, train_examples: list, dev_examples: list, cfg: DecisionHeadConfig, *,
                       seed: int = 0, cache_dir=None, precision: str = "auto",
-                      progress: Callable[[str], None] = print) -> dict:
+                      progress: Callable[[str], None] = print, features=None) -> dict:
     """Fit the decision head of the model in ``folder`` (loaded as evaluation and serving load it), save it
-    there and record how in its ``clarifier.json``; returns :func:`fit_head`'s summary."""
+    there and record how in its ``clarifier.json``; returns :func:`fit_head`'s summary. ``features``: where its
+    hidden states are computed (default: the model loaded in this process; :class:`RayFeatures`: Ray actors)."""
     from clarifier.engine.inference import read_meta, write_meta
-    from clarifier.engine.loading import load_engine
 
-    engine = load_engine(folder, cache_dir=cache_dir, precision=precision, decision_head=False)
-    head, summary = fit_head(engine, train_examples, dev_examples, cfg, seed=seed, progress=progress)
+    if features is None:
+        from clarifier.engine.loading import load_engine
+
+        features = LocalFeatures(load_engine(folder, cache_dir=cache_dir, precision=precision, decision_head=False))
+    head, summary = fit_head(features, train_examples, dev_examples, cfg, seed=seed, progress=progress)
     head.save(folder)
     write_meta(folder, replace(read_meta(folder), decision_head={k: v for k, v in summary.items() if k != "dev_scores"}))
     return summary

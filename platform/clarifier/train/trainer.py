@@ -383,7 +383,11 @@ def _copy_model(result, out: Path) -> int:
 
 def _decision_head_and_threshold(cfg: ClarifierConfig, folder: Path, progress) -> tuple[dict | None, dict | None]:
     """After training: fit the decision head (``train.decision_head.enabled``) on the train split, then pick
-    the decision threshold on the calibration split (if it has both classes) -- on the head's scores."""
+    the decision threshold on the calibration split (if it has both classes) -- on the head's scores.
+
+    With ``eval.engine=ray`` the model's forward passes (the head's features, the calibration scores) run on the
+    evaluation's Ray actors (``eval.ray_*``: a GPU cluster's GPUs), the model folder shipped to them through the
+    object store; this process, a cluster job's driver, then only fits the regression and picks the threshold."""
     from clarifier.data.outputs import load_split
     from clarifier.train.calibrate import calibrate_model
 
@@ -393,21 +397,33 @@ def _decision_head_and_threshold(cfg: ClarifierConfig, folder: Path, progress) -
         progress(f"[calibrate] split {split!r} has {len(examples)} examples and not both classes; "
                  f"keeping threshold {cfg.eval.threshold}")
         split = None
+    e = cfg.eval
+    pool = {"actors": e.ray_actors, "cpus_per_actor": e.ray_cpus_per_actor, "gpus_per_actor": e.ray_gpus_per_actor}
     head = None
     if cfg.train.decision_head.enabled:
         if not split:
             progress("[head] no decision head: it is chosen on the calibration split, which is missing or one-class")
         else:
-            from clarifier.train.decision_head import fit_decision_head
+            from clarifier.train.decision_head import RayFeatures, fit_decision_head
 
+            features = None
+            if e.engine == "ray":
+                features = RayFeatures(folder, cache_dir=cfg.model.cache_dir, precision=cfg.model.precision, **pool)
+                progress(f"[head] the model's states are read by {e.ray_actors} Ray actor(s) (eval.engine=ray)")
             head = fit_decision_head(folder, load_split(cfg.data.output, "train"), examples, cfg.train.decision_head,
                                      seed=cfg.train.seed, cache_dir=cfg.model.cache_dir,
-                                     precision=cfg.model.precision, progress=progress)
+                                     precision=cfg.model.precision, progress=progress, features=features)
     if not split:
         return head, None
+    scores, precision = (head["dev_scores"], head["precision"]) if head else (None, cfg.model.precision)
+    if scores is None and e.engine == "ray":
+        from clarifier.engine.ray_pool import ray_predict, ship_folder
+
+        spec = {**ship_folder(folder), "cache_dir": cfg.model.cache_dir, "precision": cfg.model.precision}
+        scores = [p.confidence for p in ray_predict(examples, spec, mode="score", batch_size=e.batch_size, **pool)]
+        progress(f"[calibrate] {len(examples)} {split} examples scored by {e.ray_actors} Ray actor(s) (eval.engine=ray)")
     return head, calibrate_model(folder, examples, max_over_asking=cfg.eval.max_over_asking,
                                  cache_dir=cfg.model.cache_dir, batch_size=cfg.eval.batch_size, progress=progress,
-                                 precision=head["precision"] if head else cfg.model.precision, split=split,
-                                 scores=head["dev_scores"] if head else None)
+                                 precision=precision, split=split, scores=scores)
 
 
