@@ -19,7 +19,9 @@ keeps the finished tasks and dead actors of finished jobs, and their events arri
 so the test polls briefly). Both jobs' drivers run on the head (``JobDetails.driver_node_id``).
 Training uses ``train.placement_strategy=STRICT_SPREAD`` with 2 workers, so Ray must put the two
 ``RayTrainWorker`` actors on different nodes; the test checks that the training job's workers are
-exactly one on the head and one on node_b (and both ranks' checkpoint shards reach S3). The data
+exactly one on the head and one on node_b (and both ranks' checkpoint shards reach S3). The work after
+training (the decision head's states, the calibration scores, the evaluation) runs on a pool of scorer actors
+(``eval.engine=ray``) that get the model folder through the object store, not by its path on the driver's node. The data
 job's tasks and actors are placed by Ray Data's default ``SPREAD`` strategy; the test checks that
 some of them ran on node_b (Ray Data's own bookkeeping actors live on the driver's node, the
 head), which held in every run so far but is Ray Data's choice, not something the job forces.
@@ -143,12 +145,16 @@ def test_data_and_training_jobs_run_across_two_nodes(two_node_cluster, s3_server
 
     # --- the training job -------------------------------------------------------------------------
     t0 = time.time()
-    last, out = _submit(["train", "--submit", url, *common, "model.lora.r=4", "model.init_from=null", "train.decision_head.enabled=false",
+    # the work after training on the cluster's actors (eval.engine=ray): the decision head's states, the calibration
+    # scores and the evaluation, the model folder shipped to them through the object store
+    last, out = _submit(["train", "--submit", url, *common, "model.lora.r=4", "model.init_from=null",
+                         "train.decision_head.c_grid=[0.01,1.0]", "eval.engine=ray", "eval.ray_actors=2",
+                         "eval.max_new_tokens=8",
                          "model.lora.target_modules=[q_proj,v_proj]",
                          "train.num_workers=2", "train.cpus_per_worker=1", "train.placement_strategy=STRICT_SPREAD",
                          "train.micro_batch_size=2", "train.max_steps=4", "train.warmup_steps=1",
                          "train.checkpoint_every=2", "train.max_minutes=null", "train.run_name=multinode",
-                         f"train.experiment={experiment}", "eval.calibration_split=null"], timeout=600)
+                         f"train.experiment={experiment}"], timeout=600)
     print(f"[multinode] training job {last['status']} in {time.time() - t0:.0f}s")
     assert last["status"] == "SUCCEEDED", out[-5000:]
     info = client.get_job_info(last["job_id"])
@@ -156,12 +162,16 @@ def test_data_and_training_jobs_run_across_two_nodes(two_node_cluster, s3_server
     train_job = info.job_id
 
     def two_workers(t, a):
-        return sum(len(v) for k, v in a.items() if "TrainWorker" in k) >= 2
+        return sum(len(v) for k, v in a.items() if "TrainWorker" in k) >= 2 and any("ScorerActor" in k for k in a)
 
     tasks, actors = _wait_ran_on(url, train_job, two_workers)
     print(f"[multinode] training job's actors: { {k: sorted(_role(nodes, n) for n in v) for k, v in actors.items()} }")
     workers = set().union(*(v for k, v in actors.items() if "TrainWorker" in k))
     assert workers == {nodes["head"], nodes["node_b"]}, (nodes, actors)
+    # the pool's actors ran (which node is Ray Data's choice: with this little data the first actor ready does it all)
+    assert any("ScorerActor" in k for k in actors), actors
+    logs = client.get_job_logs(last["job_id"])
+    assert "[head] the model's states are read by 2 Ray actor(s)" in logs and "[eval] ray: " in logs, logs[-5000:]
 
     # checkpoints under the s3 storage path, written by both ranks
     keys = s3_keys(s3, s3_bucket, "store/ray_results/train-multinode/")
@@ -182,7 +192,9 @@ def test_data_and_training_jobs_run_across_two_nodes(two_node_cluster, s3_server
     assert [m.step for m in ml.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3, 4]
     assert run.data.metrics["train/steps"] == 4
     assert run.data.params["train.placement_strategy"] == "STRICT_SPREAD"
-    assert "adapter/adapter_model.safetensors" in {f.path for f in ml.list_artifacts(run.info.run_id, "adapter")}
+    assert {"adapter/adapter_model.safetensors", "adapter/decision_head.safetensors"} <= {
+        f.path for f in ml.list_artifacts(run.info.run_id, "adapter")}
+    assert run.data.tags["calibration.rule"] == "over_asking<=0.1" and "decision_head/dev_macro_auroc" in run.data.metrics
     # ... and the evaluation every training run ends with: report and plots in the run, eval/ metrics beside train/
     evals = {f.path for f in ml.list_artifacts(run.info.run_id, "eval")}
     assert {"eval/report.md", "eval/report.json", "eval/pr_curve.png"} <= evals, evals
