@@ -420,7 +420,8 @@ def adapt(model: str = typer.Option(..., help="The model to adapt: builtin:<name
                                                    "experiment (artifact 'adapter'), to register and promote it."),
           config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """Fit the model's decision head to your own labelled turns (minutes on a CPU): a new model folder, and how
-    well it ranks those turns before and after (cross-validated)."""
+    well it ranks those turns before and after (cross-validated). eval.engine=ray reads the model's states on Ray
+    actors (eval.ray_actors, eval.ray_gpus_per_actor) instead of in this process."""
     from clarifier.evaluation.evaluate import load_eval_data
     from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
     from clarifier.train.adapt import AdaptError, adapt_head
@@ -432,12 +433,18 @@ def adapt(model: str = typer.Option(..., help="The model to adapt: builtin:<name
         err_console.print(f"[red]no labelled turns in {escape(data)}[/red]"
                           + (f" ({len(ed.skipped)} lines skipped: see above)" if ed.skipped else ""))
         raise typer.Exit(2)
+    e, pool = cfg.eval, None
+    if e.engine == "ray":  # the forward passes on Ray actors (a cluster's GPUs with RAY_ADDRESS set)
+        from clarifier.runtime.cluster import init_ray
+
+        init_ray()
+        pool = {"actors": e.ray_actors, "cpus_per_actor": e.ray_cpus_per_actor, "gpus_per_actor": e.ray_gpus_per_actor}
     try:
         res = adapt_head(model, ed.examples, out, start=start, max_over_asking=cfg.eval.max_over_asking,
                          data_name=ed.name, data_fingerprint=ed.fingerprint, cache_dir=cfg.model.cache_dir,
                          tracking_uri=tracking_uri, precision=cfg.model.precision,
                          batch_size=cfg.train.decision_head.batch_size,
-                         seed=cfg.train.seed, progress=_say)
+                         seed=cfg.train.seed, ray_pool=pool, progress=_say)
     except AdaptError as exc:
         err_console.print(f"[red]cannot adapt:[/red] {escape(str(exc))}")
         raise typer.Exit(2)

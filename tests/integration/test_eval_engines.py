@@ -170,6 +170,39 @@ def test_after_training_head_and_threshold_come_from_ray_actors(adapter, ray_loc
     assert read_meta(folders["ray-no-head"]).threshold == pytest.approx(local_cal_tokens["threshold"], abs=1e-5)
 
 
+@pytest.mark.timeout(600)
+def test_adapt_reads_the_states_on_ray_actors(adapter, ray_local, tmp_path, monkeypatch):
+    """`clarifier adapt ... eval.engine=ray`: the labelled turns' states come from the actors (a cluster's GPUs for
+    many labels), the same adapted model as in-process, and this process never loads the model."""
+    import clarifier.engine.loading
+    from clarifier.core.config import DecisionHeadConfig
+    from clarifier.engine.inference import read_meta
+    from clarifier.train.adapt import adapt_head
+    from clarifier.train.decision_head import fit_decision_head
+    from support.turns import labelled_turns
+
+    headed = shutil.copytree(adapter, tmp_path / "headed")
+    fit_decision_head(headed, labelled_turns(24, "t"), labelled_turns(12, "d"),
+                      DecisionHeadConfig(layers=[0.5, 1.0], c_grid=[1.0]), precision="fp32", progress=lambda _: None)
+    theirs = labelled_turns(30, "u", flip=True)
+    local = adapt_head(str(headed), theirs, tmp_path / "local", precision="fp32", progress=lambda _: None)
+
+    def no_model_here(*a, **k):
+        raise AssertionError("the driver loaded the model")
+
+    monkeypatch.setattr(clarifier.engine.loading, "load_engine", no_model_here)
+    lines: list[str] = []
+    remote = adapt_head(str(headed), theirs, tmp_path / "ray", precision="fp32", progress=lines.append,
+                        ray_pool={"actors": 1, "cpus_per_actor": 1, "gpus_per_actor": 0})
+    assert any("reading its states (on 1 Ray actor(s))" in m for m in lines), lines
+    assert remote["kept"] == local["kept"] and remote["before"]["auroc"] == pytest.approx(local["before"]["auroc"])
+    for name in ("head", "scratch"):
+        assert remote["heads"][name]["c"] == local["heads"][name]["c"]
+        assert remote["heads"][name]["cv_auroc"] == pytest.approx(local["heads"][name]["cv_auroc"], abs=1e-6)
+    assert remote["threshold"] == pytest.approx(local["threshold"], abs=1e-5)
+    assert read_meta(tmp_path / "ray").decision_head["precision"] == "fp32"
+
+
 @pytest.mark.timeout(300)
 def test_compared_models_get_rows_of_their_own(adapter, eval_file, tmp_path):
     """eval.compare (CLI --compare NAME=URI) puts e.g. the pipeline variant in the same report."""

@@ -35,21 +35,23 @@ class AdaptError(ValueError):
 
 def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = "auto", max_over_asking: float | None = 0.1,
                data_name: str = "", data_fingerprint: str = "", cache_dir=None, tracking_uri: str | None = None,
-               precision: str = "auto",
-               batch_size: int = 8, seed: int = 0, progress: Callable[[str], None] = print) -> dict:
+               precision: str = "auto", batch_size: int = 8, seed: int = 0, ray_pool: dict | None = None,
+               progress: Callable[[str], None] = print) -> dict:
     """Write to ``out`` a copy of the model at ``model_uri`` whose decision head is fitted on ``examples`` (labelled
     turns: ``needs_clarification`` set), with its threshold; returns the summary ``clarifier.json`` records under
-    ``decision_head.adapted``."""
+    ``decision_head.adapted``. ``ray_pool`` (``{"actors", "cpus_per_actor", "gpus_per_actor"}``: ``eval.engine=ray``):
+    the forward passes run on Ray scorer actors (:class:`~clarifier.train.decision_head.RayFeatures`) and this
+    process never loads the model; Ray must be initialised."""
     import numpy as np
 
     from clarifier.core.config import DecisionHeadConfig
     from clarifier.core.metrics import auroc
-    from clarifier.engine.decision_head import check_pooling, resolve_layers
+    from clarifier.engine.decision_head import DecisionHead, check_pooling, resolve_layers
     from clarifier.engine.inference import read_meta, write_meta
     from clarifier.engine.loading import load_engine, resolve_model
     from clarifier.engine.pipeline import is_pipeline_folder
     from clarifier.train.calibrate import choose_threshold
-    from clarifier.train.decision_head import fit_on_labels, fitted_head, hidden_features
+    from clarifier.train.decision_head import LocalFeatures, RayFeatures, fit_on_labels, fitted_head
 
     if start not in STARTS:
         raise AdaptError(f"start {start!r}: one of {', '.join(STARTS)}")
@@ -67,21 +69,26 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not (dst / "adapt.json").is_file():
         raise AdaptError(f"--out {dst} exists and is not an earlier `clarifier adapt` output (no adapt.json); "
                          "name a new folder, or remove it first")
-    engine = load_engine(resolved.folder, version=resolved.version, cache_dir=cache_dir, precision=precision)
     if is_pipeline_folder(resolved.folder):
         raise AdaptError(f"{model_uri} is a pipeline model (three adapters); adapting fits the decision head of a "
                          "joint model")
-    head = engine.decision_head
-    n_layers = engine.model.config.num_hidden_layers
+    if ray_pool:  # the model's states from Ray actors; its head and threshold read from the folder
+        features = RayFeatures(resolved.folder, cache_dir=cache_dir, precision=precision, **ray_pool)
+        head, threshold = DecisionHead.load(resolved.folder), read_meta(resolved.folder).threshold
+    else:
+        engine = load_engine(resolved.folder, version=resolved.version, cache_dir=cache_dir, precision=precision)
+        features, head, threshold = LocalFeatures(engine), engine.decision_head, engine.threshold
+    n_layers = features.n_layers
     if head is not None:
         layers, pooling = list(head.layers), list(head.pooling)
     else:
         defaults = DecisionHeadConfig()
         layers, pooling = resolve_layers(defaults.layers, n_layers), check_pooling(defaults.pooling)
+    where = f"on {ray_pool['actors']} Ray actor(s)" if ray_pool else features.precision
     progress(f"[adapt] {model_uri}: {len(examples)} labelled turns ({n_pos} need a question); its decision: "
              + (f"decision head on layers {layers} ({'+'.join(pooling)})" if head is not None else "decision tokens")
-             + f"; reading its states ({engine.precision})")
-    token, x = hidden_features(engine, examples, layers, batch_size, "labelled", progress, pooling)
+             + f"; reading its states ({where})")
+    token, x = features(examples, layers, pooling, batch_size, "labelled", progress)
 
     if head is not None:
         import torch
@@ -90,8 +97,8 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
     else:
         before_scores = [float(v) for v in token]
     before = {"decided_by": "decision head" if head is not None else "decision tokens",
-              "auroc": auroc(list(y), before_scores), "threshold": engine.threshold,
-              "at_threshold": _at(y, before_scores, engine.threshold)}
+              "auroc": auroc(list(y), before_scores), "threshold": threshold,
+              "at_threshold": _at(y, before_scores, threshold)}
 
     # "shipped": the decision as it is, only its threshold set on these turns (nothing fitted: its AUROC is as fair
     # as the others' out-of-fold figures); kept when neither fitted head ranks the turns better
@@ -134,7 +141,7 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
     else:
         fitted_head(fit, layers, pooling).save(dst)
         head_meta = {"layers": layers, "layer_fractions": old.get("layer_fractions"), "pooling": pooling, "clip": None,
-                     "c": fit["c"], "n_train": len(examples), "precision": engine.precision, "adapted": summary}
+                     "c": fit["c"], "n_train": len(examples), "precision": features.precision, "adapted": summary}
     write_meta(dst, replace(meta, threshold=thr, decision_head=head_meta, calibration={
         "split": "adapt" + ("" if kept == "shipped" else " (out of fold)"), "n": at["n"], "tp": at["tp"],
         "fn": at["fn"], "tn": at["tn"], "fp": at["fp"], "rule": rule}))
