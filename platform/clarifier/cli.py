@@ -433,12 +433,12 @@ def adapt(model: str = typer.Option(..., help="The model to adapt: builtin:<name
         err_console.print(f"[red]no labelled turns in {escape(data)}[/red]"
                           + (f" ({len(ed.skipped)} lines skipped: see above)" if ed.skipped else ""))
         raise typer.Exit(2)
-    e, pool = cfg.eval, None
-    if e.engine == "ray":  # the forward passes on Ray actors (a cluster's GPUs with RAY_ADDRESS set)
+    pool = None
+    if cfg.eval.engine == "ray":  # the forward passes on Ray actors (a cluster's GPUs with RAY_ADDRESS set)
         from clarifier.runtime.cluster import init_ray
 
         init_ray()
-        pool = {"actors": e.ray_actors, "cpus_per_actor": e.ray_cpus_per_actor, "gpus_per_actor": e.ray_gpus_per_actor}
+        pool = cfg.eval.ray_pool()
     try:
         res = adapt_head(model, ed.examples, out, start=start, max_over_asking=cfg.eval.max_over_asking,
                          data_name=ed.name, data_fingerprint=ed.fingerprint, cache_dir=cfg.model.cache_dir,

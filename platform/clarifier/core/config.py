@@ -393,6 +393,11 @@ class EvalConfig(_Strict):
     semantic_encoder: str | None = Field(
         "all-minilm-l6-v2", description="Sentence encoder for question semantic similarity; null = skip that metric.")
 
+    def ray_pool(self) -> dict:
+        """The scorer-actor pool of ``engine=ray``, as ``clarifier.engine.ray_pool`` takes it."""
+        return {"actors": self.ray_actors, "cpus_per_actor": self.ray_cpus_per_actor,
+                "gpus_per_actor": self.ray_gpus_per_actor}
+
 
 class GateConfig(_Strict):
     """Promotion gate: the challenger is promoted only when every configured criterion holds."""

@@ -152,9 +152,8 @@ def _predict(cfg: ClarifierConfig, spec: dict, examples: list[Example], *, engin
         from clarifier.runtime.cluster import init_ray
 
         init_ray()
-        e = cfg.eval
-        return ray_predict(examples, spec, mode=mode, batch_size=e.batch_size, actors=e.ray_actors,
-                           cpus_per_actor=e.ray_cpus_per_actor, gpus_per_actor=e.ray_gpus_per_actor, progress=progress)
+        return ray_predict(examples, spec, mode=mode, batch_size=cfg.eval.batch_size, progress=progress,
+                           **cfg.eval.ray_pool())
     if mode == "score":
         return [Prediction(needs_clarification=p >= engine.threshold, confidence=p)
                 for p in engine.score_examples(examples, cfg.eval.batch_size, bar)]

@@ -397,8 +397,7 @@ def _decision_head_and_threshold(cfg: ClarifierConfig, folder: Path, progress) -
         progress(f"[calibrate] split {split!r} has {len(examples)} examples and not both classes; "
                  f"keeping threshold {cfg.eval.threshold}")
         split = None
-    e = cfg.eval
-    pool = {"actors": e.ray_actors, "cpus_per_actor": e.ray_cpus_per_actor, "gpus_per_actor": e.ray_gpus_per_actor}
+    e, pool = cfg.eval, cfg.eval.ray_pool()
     head = None
     if cfg.train.decision_head.enabled:
         if not split:
