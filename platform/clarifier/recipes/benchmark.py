@@ -280,12 +280,13 @@ def _predict_probe(base_model: str, train: list, dev: list, examples: list, cfg:
                    progress: Progress) -> tuple[list, dict]:
     """The untrained ``base_model`` with a decision head fitted on ``train`` (decision only)."""
     from clarifier.engine.inference import ClarifierEngine
-    from clarifier.train.decision_head import fit_head
+    from clarifier.train.decision_head import LocalFeatures, fit_head
 
     engine = ClarifierEngine.from_base(base_model, cache_dir=cfg.model.cache_dir,
                                        prompt_opts=cfg.model.prompt_options(),
                                        precision=cfg.model.precision)
-    head, fit = fit_head(engine, train, dev, cfg.train.decision_head, seed=cfg.train.seed, progress=progress)
+    head, fit = fit_head(LocalFeatures(engine), train, dev, cfg.train.decision_head, seed=cfg.train.seed,
+                         progress=progress)
     engine.decision_head = head
     preds, info = _scored_row(engine, dev, examples, cfg, progress, dev_scores=fit.pop("dev_scores"))
     return preds, {**info, "base_model": base_model, "decision_head": fit}

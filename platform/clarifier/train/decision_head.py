@@ -234,15 +234,14 @@ def fitted_head(fit: dict, layers: list[int], pooling):
                                           pooling, fit.get("clip"))
 
 
-def fit_head(engine, train_examples: list, dev_examples: list, cfg: DecisionHeadConfig, *, seed: int = 0,
+def fit_head(features, train_examples: list, dev_examples: list, cfg: DecisionHeadConfig, *, seed: int = 0,
              progress: Callable[[str], None] = print):
-    """``(DecisionHead, summary)`` fitted on ``engine``'s hidden states (any engine: a trained model's,
-    or a base model's for a head on the untrained base; or :class:`LocalFeatures` / :class:`RayFeatures`).
+    """``(DecisionHead, summary)`` fitted on the hidden states ``features`` computes (:class:`LocalFeatures` of any
+    engine: a trained model's, or a base model's for a head on the untrained base; or :class:`RayFeatures`).
     The summary has the dev scores (``dev_scores``, in ``dev_examples`` order) and both decisions' dev
     within-source AUROC."""
     from clarifier.engine.decision_head import check_pooling, resolve_layers
 
-    features = LocalFeatures(engine) if hasattr(engine, "decision_features") else engine
     t0 = time.time()
     train = (list(train_examples) if cfg.max_per_source is None
              else sample_by_source(train_examples, cfg.max_per_source, seed, clarify_share=0.5))
