@@ -23,6 +23,33 @@ if PUBLIC.is_dir():
     os.environ.setdefault("CLARIFIER_DATA_MIRROR", str(PUBLIC))
 
 
+# --- two processes (pytest-xdist, `-n 2` in pyproject.toml) ------------------------------------------
+# Every test that starts local services (Ray, `mlflow server`, S3, Serve: tests/integration, tests/e2e)
+# runs in one worker process, one after another in collection order: two local Ray instances on one
+# host would collide on fixed ports, and most of these tests size their load for 2 cores. They keep the
+# cores ~75% busy, and the unit tests run in the other worker meanwhile. (A scheduler of our own:
+# xdist 3.8's `--dist loadgroup` renames node ids, which pytest 9 no longer lets it do.)
+SERVICES = "services"
+
+
+def _scope(nodeid: str) -> str:
+    """The unit of work a worker takes whole: all service tests together; a unit-test module."""
+    path = nodeid.split("::", 1)[0]
+    return SERVICES if {"integration", "e2e"} & set(path.split("/")[:-1]) else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ServicesInOneWorker(LoadScopeScheduling):
+        # the largest unit of work goes out first (xdist orders them by size): the service tests
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return ServicesInOneWorker(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from support.tinymodel import build_tiny_model
@@ -117,7 +144,8 @@ def ray_own():
 # --- reliability records ----------------------------------------------------------------------
 # Fault tests record what they injected and what happened; the table is printed at the end of the
 # test session and, when CLARIFIER_RELIABILITY_LOG names a file, appended there as JSON lines
-# (benchmarks/reliability/report.py runs the fault tests and renders that file).
+# (benchmarks/reliability/report.py runs the fault tests and renders that file). A record travels in
+# the test's report (user_properties), so the table is complete when the tests ran in worker processes.
 RELIABILITY_FIELDS = ("fault", "injected", "at_risk", "lost", "recovered", "time_to_recover_s")
 _RELIABILITY_RECORDS: list[dict] = []
 
@@ -137,7 +165,7 @@ def reliability(request):
         if missing:
             raise TypeError(f"reliability record lacks {missing}")
         rec = {**fields, "test": request.node.nodeid, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        _RELIABILITY_RECORDS.append(rec)
+        request.node.user_properties.append(("reliability", rec))
         path = os.environ.get("CLARIFIER_RELIABILITY_LOG")
         if path:
             with open(path, "a", encoding="utf-8") as f:
@@ -145,6 +173,11 @@ def reliability(request):
         return rec
 
     return record
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":  # the last report of a test carries everything it recorded
+        _RELIABILITY_RECORDS.extend(v for k, v in report.user_properties if k == "reliability")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -418,15 +418,31 @@ def adapt(model: str = typer.Option(..., help="The model to adapt: builtin:<name
           split: str = typer.Option("train", help="The split of a data-job output folder to learn from."),
           experiment: Optional[str] = typer.Option(None, help="Also log the adapted model as a run of this MLflow "
                                                    "experiment (artifact 'adapter'), to register and promote it."),
-          config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+          config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
+          installed_code: bool = InstalledCodeOpt, overrides: Optional[list[str]] = OverridesArg):
     """Fit the model's decision head to your own labelled turns (minutes on a CPU): a new model folder, and how
     well it ranks those turns before and after (cross-validated). eval.engine=ray reads the model's states on Ray
-    actors (eval.ray_actors, eval.ray_gpus_per_actor) instead of in this process."""
+    actors (eval.ray_actors, eval.ray_gpus_per_actor) instead of in this process. With --submit the job writes
+    --out on the cluster (its driver's disk, or a volume the nodes share); --experiment brings the adapted model
+    back through MLflow."""
     from clarifier.evaluation.evaluate import load_eval_data
     from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
     from clarifier.train.adapt import AdaptError, adapt_head
 
     cfg = _cfg(config, overrides)
+    if submit:
+        from clarifier.runtime.submit import absolute_path
+
+        local = lambda v: absolute_path(v) if Path(v).expanduser().exists() else v  # noqa: E731
+        args = ["--model", local(model), "--data", local(data), "--out", absolute_path(str(out)), "--start", start,
+                "--split", split, *(["--experiment", experiment] if experiment else [])]
+        if not experiment:
+            _say(f"[adapt] the adapted model is written to {absolute_path(str(out))} on the cluster's driver; add "
+                 "--experiment NAME to have it logged to MLflow, where `clarifier models register` finds it")
+        if cfg.eval.engine != "ray":
+            _say("[adapt] eval.engine=local: the job's driver (on a KubeRay cluster, the head pod) reads the model's "
+                 "states itself; eval.engine=ray puts that work on the cluster's workers")
+        _submit(submit, ["adapt"], cfg, args, installed_code)
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     ed = load_eval_data(data, split, report=_say)
     if not ed.examples:

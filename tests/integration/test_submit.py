@@ -129,3 +129,28 @@ def test_submitted_audit_runs_on_the_cluster(ray_head, tiny_model_dir, tmp_path,
     report = json.loads((tmp_path / "audit" / "report.json").read_text())
     assert report["counts"]["turns"] == 6 and report["counts"]["failed_turns"] == 6
     assert report["model_uri"] == str(tmp_path / "model")
+
+
+@pytest.mark.timeout(600)
+def test_submitted_adapt_writes_the_adapted_model_on_the_cluster(ray_head, tiny_model_dir, tmp_path, monkeypatch):
+    """`clarifier adapt --submit`: model folder, labelled turns and --out given as relative paths travel as
+    absolute ones; the job fits the head on the cluster and writes the adapted folder there (here: this host)."""
+    from typer.testing import CliRunner
+
+    from clarifier.cli import app
+    from clarifier.engine.loading import load_engine
+    from support.adapters import untrained_adapter
+    from support.turns import labelled_turns
+
+    untrained_adapter(tiny_model_dir, tmp_path / "model", threshold=0.5, r=2)
+    (tmp_path / "mine.jsonl").write_text("".join(e.model_dump_json() + "\n" for e in labelled_turns(20, "u")))
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["adapt", "--submit", ray_head, "--model", "model", "--data", "mine.jsonl",
+                                   "--out", "adapted", "--start", "scratch", "model.precision=fp32"])
+    assert res.exit_code == 0, res.output[-4000:]
+    assert f"written to {tmp_path / 'adapted'} on the cluster's driver; add --experiment" in res.output
+    assert "[adapt] kept: threshold" in res.output and '"status": "SUCCEEDED"' in res.output
+    meta = json.loads((tmp_path / "adapted" / "adapt.json").read_text())
+    assert meta["kept"] == "scratch" and meta["n"] == 20
+    eng = load_engine(tmp_path / "adapted", precision="fp32")
+    assert eng.threshold == pytest.approx(meta["threshold"])

@@ -84,14 +84,33 @@ class Cluster:
     procs: list[subprocess.Popen] = field(default_factory=list)
     temps: list[str] = field(default_factory=list)
 
+    head_port: int = 0
+    num_cpus: int = 1
+    node_args: tuple[str, ...] = ()
+
     def log(self, i: int) -> str:
-        return (Path(self.temps[i]) / "node.log").read_text()[-2000:]
+        """What node ``i``'s ``ray start`` printed, and the ends of its raylet's logs (why a node did not start)."""
+        temp = Path(self.temps[i])
+        parts = [(temp / "node.log").read_text()[-2000:]]
+        for name in ("raylet.out", "raylet.err"):
+            f = temp / "session_latest" / "logs" / name
+            if f.is_file():
+                parts.append(f"--- {name} (end) ---\n" + f.read_text(errors="replace")[-1500:])
+        return "\n".join(parts)
+
+    def join(self, resources: dict) -> subprocess.Popen:
+        """One more node (custom ``resources``), joining the head; returns its ``ray start`` process."""
+        import json
+
+        return _start_node(self, [f"--address=127.0.0.1:{self.head_port}", f"--resources={json.dumps(resources)}"],
+                           self.num_cpus, self.node_args)
 
     def stop(self) -> None:
         """Our process groups, then any process still carrying our tag. (``ray start --block``
-        takes about a minute to exit on SIGTERM; 10 s of grace, then SIGKILL.)"""
+        takes about a minute to exit on SIGTERM; 3 s of grace for its processes
+        to stop, then SIGKILL: a test cluster keeps nothing worth a clean shutdown.)"""
         procs = list(reversed(self.procs))
-        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+        for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 30)):
             for proc in procs:
                 try:
                     os.killpg(proc.pid, sig)
@@ -152,7 +171,8 @@ def start_cluster(num_cpus: int, resources: tuple[dict, ...] = ({},), node_args:
     from clarifier.runtime.services import free_port
 
     port, dash, client_port = free_port(), free_port(), free_port()
-    cluster = Cluster(url=f"http://127.0.0.1:{dash}", tag=uuid.uuid4().hex)
+    cluster = Cluster(url=f"http://127.0.0.1:{dash}", tag=uuid.uuid4().hex, head_port=port, num_cpus=num_cpus,
+                      node_args=node_args)
     try:
         head = _start_node(cluster, ["--head", f"--port={port}", f"--dashboard-port={dash}",
                                      "--dashboard-host=127.0.0.1", "--include-dashboard=true",
@@ -170,8 +190,7 @@ def start_cluster(num_cpus: int, resources: tuple[dict, ...] = ({},), node_args:
                     raise
                 time.sleep(2)
         for res in resources[1:]:
-            _start_node(cluster, [f"--address=127.0.0.1:{port}", f"--resources={json.dumps(res)}"], num_cpus,
-                        node_args)
+            cluster.join(res)
         yield cluster
     finally:
         cluster.stop()

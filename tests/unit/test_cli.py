@@ -51,7 +51,8 @@ def test_data_synth_writes_either_generator(tmp_path):
 
 def test_job_entrypoints_run_as_scripts():
     for job, words in [("prepare_data.py", "data.input"), ("train.py", "overrides"), ("evaluate.py", "--model"),
-                       ("register.py", "--run-id"), ("quickstart.py", "--workdir")]:
+                       ("register.py", "--run-id"), ("quickstart.py", "--workdir"), ("audit.py", "--logs"),
+                       ("adapt.py", "--experiment")]:
         res = subprocess.run([sys.executable, str(ROOT / "jobs" / job), "--help"], capture_output=True, text=True,
                              timeout=120, cwd=ROOT)
         assert res.returncode == 0, res.stderr
