@@ -395,10 +395,10 @@ def eval_cmd(model: str = typer.Option(..., help="models:/name@alias, runs:/<id>
             raise typer.Exit(2)
         cfg.eval.compare = {**cfg.eval.compare, name.strip(): uri.strip()}
     if submit:
-        from clarifier.runtime.submit import absolute_path
+        from clarifier.runtime.submit import absolute_path, existing_path
 
-        args = ["--model", absolute_path(model) if Path(model).exists() else model]
-        args += ["--data", absolute_path(data) if Path(data).exists() else data] if data else []
+        args = ["--model", existing_path(model)]
+        args += ["--data", existing_path(data)] if data else []
         args += ["--run-id", run_id] if run_id else []
         args += ["--out", absolute_path(str(out))] if out else []
         _submit(submit, ["eval"], cfg, args, installed_code)
@@ -431,11 +431,10 @@ def adapt(model: str = typer.Option(..., help="The model to adapt: builtin:<name
 
     cfg = _cfg(config, overrides)
     if submit:
-        from clarifier.runtime.submit import absolute_path
+        from clarifier.runtime.submit import absolute_path, existing_path
 
-        local = lambda v: absolute_path(v) if Path(v).expanduser().exists() else v  # noqa: E731
-        args = ["--model", local(model), "--data", local(data), "--out", absolute_path(str(out)), "--start", start,
-                "--split", split, *(["--experiment", experiment] if experiment else [])]
+        args = ["--model", existing_path(model), "--data", existing_path(data), "--out", absolute_path(str(out)),
+                "--start", start, "--split", split, *(["--experiment", experiment] if experiment else [])]
         if not experiment:
             _say(f"[adapt] the adapted model is written to {absolute_path(str(out))} on the cluster's driver; add "
                  "--experiment NAME to have it logged to MLflow, where `clarifier models register` finds it")

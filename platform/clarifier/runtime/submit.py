@@ -77,6 +77,12 @@ def absolute_path(p: str) -> str:
     return p if (not p or storage.is_s3(p) or "://" in p) else str(Path(p).expanduser().resolve())
 
 
+def existing_path(p: str) -> str:
+    """A model or data argument for a job: an existing local path made absolute, anything else (a URI, a
+    ``builtin:`` name, a path only the cluster has) as it is."""
+    return absolute_path(p) if Path(p).exists() else p
+
+
 def portable_config(cfg: ClarifierConfig, progress: Callable[[str], None] = print) -> ClarifierConfig:
     """The config with local relative paths made absolute (the job runs in its own working dir)."""
     upd = {}
