@@ -45,16 +45,9 @@ fi
 # DeepSpeed compiles its CPU ops (fused Adam, shared-memory all-reduce) on first use into
 # ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR): built here once, on idle cores, instead of
 # inside the first training job (its workers would each wait for the build). Quick when already built.
+# With the pinned ninja, as every training worker builds (clarifier/train/ops.py says why).
 echo "[setup] DeepSpeed CPU ops (fused_adam, deepspeed_shm_comm): building once (~1-2 min the first time)"
-if ! ds_out=$("$VENV/bin/python" - 2>&1 <<'PYEOF'
-import time
-from deepspeed.accelerator import get_accelerator
-t = time.time()
-for name in ("FusedAdamBuilder", "ShareMemCommBuilder"):
-    get_accelerator().create_op_builder(name).load(verbose=False)
-print(f"[setup] DeepSpeed CPU ops ready in {time.time() - t:.0f}s")
-PYEOF
-); then
+if ! ds_out=$("$VENV/bin/python" -m clarifier.train.ops 2>&1); then
   printf '%s\n' "$ds_out" | tail -n 30 >&2
   echo "[setup] ERROR: DeepSpeed could not build its CPU ops (above); training needs them (a C++ compiler and ninja)" >&2
   exit 1

@@ -67,14 +67,18 @@ def own_pids(tag: str) -> list[int]:
     return pids
 
 
-def _ports() -> list[str]:
-    """Every port a node opens that has a fixed default (two nodes, or another test's head, on one
-    host would otherwise collide on e.g. the dashboard agent's 52365)."""
-    from clarifier.runtime.services import free_port
+NODE_PORTS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+              "runtime-env-agent-port", "metrics-export-port")
 
-    return [f"--{name}={free_port()}" for name in (
-        "node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-        "runtime-env-agent-port", "metrics-export-port")]
+
+def _ports(extra: int = 0) -> tuple[list[str], list[int]]:
+    """Every port a node opens that has a fixed default (two nodes, or another test's head, on one
+    host would otherwise collide on e.g. the dashboard agent's 52365), and ``extra`` more: all distinct
+    (chosen one at a time, a head once got the same port for its raylet and its client server)."""
+    from clarifier.runtime.services import free_ports
+
+    ports = free_ports(len(NODE_PORTS) + extra)
+    return [f"--{name}={p}" for name, p in zip(NODE_PORTS, ports)], ports[len(NODE_PORTS):]
 
 
 @dataclass
@@ -145,10 +149,12 @@ def _node_env(tag: str) -> dict[str, str]:
     return env
 
 
-def _start_node(cluster: Cluster, args: list[str], num_cpus: int, node_args: tuple[str, ...]) -> subprocess.Popen:
+def _start_node(cluster: Cluster, args: list[str], num_cpus: int, node_args: tuple[str, ...],
+                ports: list[str] | None = None) -> subprocess.Popen:
+    ports = ports if ports is not None else _ports()[0]
     temp = tempfile.mkdtemp(prefix="clrn-", dir="/tmp")  # short: Ray's socket paths have a length limit
     cluster.temps.append(temp)
-    proc = subprocess.Popen([str(BIN / "ray"), "start", *args, *_ports(), f"--temp-dir={temp}", "--block",
+    proc = subprocess.Popen([str(BIN / "ray"), "start", *args, *ports, f"--temp-dir={temp}", "--block",
                              "--disable-usage-stats", f"--num-cpus={num_cpus}", *node_args],
                             stdout=open(Path(temp) / "node.log", "ab"), stderr=subprocess.STDOUT,
                             env=_node_env(cluster.tag), start_new_session=True)
@@ -168,16 +174,14 @@ def start_cluster(num_cpus: int, resources: tuple[dict, ...] = ({},), node_args:
 
     from ray.job_submission import JobSubmissionClient
 
-    from clarifier.runtime.services import free_port
-
-    port, dash, client_port = free_port(), free_port(), free_port()
+    node_ports, (port, dash, client_port) = _ports(extra=3)
     cluster = Cluster(url=f"http://127.0.0.1:{dash}", tag=uuid.uuid4().hex, head_port=port, num_cpus=num_cpus,
                       node_args=node_args)
     try:
         head = _start_node(cluster, ["--head", f"--port={port}", f"--dashboard-port={dash}",
                                      "--dashboard-host=127.0.0.1", "--include-dashboard=true",
                                      f"--ray-client-server-port={client_port}",
-                                     f"--resources={json.dumps(resources[0])}"], num_cpus, node_args)
+                                     f"--resources={json.dumps(resources[0])}"], num_cpus, node_args, node_ports)
         deadline = time.time() + timeout_s
         while True:
             if head.poll() is not None:

@@ -58,3 +58,15 @@ def test_models_list_against_a_down_server_says_so_not_no_model(monkeypatch):
     assert code == 1
     text = err.getvalue()
     assert "TrackingServerUnreachable" in text and uri in text and "no registered model" not in text
+
+
+def test_free_ports_are_distinct_and_bindable():
+    import socket
+
+    from clarifier.runtime.services import free_ports
+
+    ports = free_ports(24)
+    assert len(set(ports)) == 24  # one at a time, the OS may hand the same port out twice
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

@@ -1,5 +1,6 @@
 """Pure parts of the training loop: data order, pipeline segment masks, RNG state, DeepSpeed config."""
 
+import os
 import random
 
 import numpy as np
@@ -155,3 +156,27 @@ def test_target_only_logits_give_the_loss_of_full_logits(tiny_model_dir, tiny_to
     assert torch.all(left["labels"][:, : n - keep] == -100)  # every target lies in the kept columns
     assert float(loss) == pytest.approx(float(ref), rel=1e-5)
     assert parts.keys() == ref_parts.keys() and all(parts[k] == pytest.approx(ref_parts[k], rel=1e-4) for k in parts)
+
+
+def test_deepspeed_builds_run_the_pinned_ninja_whatever_path_a_process_has(monkeypatch, tmp_path):
+    # ninja 1.11 (Debian) and 1.13 (the pinned package) hash build commands differently: a process that found the
+    # other one on PATH compiled DeepSpeed's ops again. Every build now puts the pinned one first.
+    import shutil
+    import subprocess
+
+    import ninja
+
+    from clarifier.train.ops import use_pinned_ninja
+
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\necho 1.11.1\n")
+    (other / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{ninja.BIN_DIR}{os.pathsep}/usr/bin")
+    assert shutil.which("ninja") == str(other / "ninja")
+    assert use_pinned_ninja() == ninja.BIN_DIR
+    assert use_pinned_ninja() == ninja.BIN_DIR  # idempotent: no second entry
+    parts = os.environ["PATH"].split(os.pathsep)
+    assert parts == [ninja.BIN_DIR, str(other), "/usr/bin"]
+    version = subprocess.run(["ninja", "--version"], capture_output=True, text=True, check=True).stdout
+    assert version.startswith(ninja.__version__)  # the package's binary, not the one first on PATH before

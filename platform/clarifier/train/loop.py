@@ -47,6 +47,7 @@ from clarifier.core.config import ClarifierConfig
 from clarifier.runtime import relay
 from clarifier.data.packing import collate_packed
 from clarifier.engine.precision import describe, resolve_precision, set_threads, torch_dtype
+from clarifier.train.ops import use_pinned_ninja
 from clarifier.core.objective import PIPELINE_PARTS, SEGMENT_IDS, DecisionLoss, collate, joint_loss
 
 COLUMNS = ["input_ids", "labels", "loss_weights", "segment_ids"]
@@ -400,6 +401,7 @@ class WorkerRecipe:
         random.seed(t.seed + self.rank)
         np.random.seed(t.seed + self.rank)
         self.threads = set_threads(t.cpus_per_worker)
+        use_pinned_ninja()  # DeepSpeed builds its CPU ops with the same ninja everywhere (clarifier.train.ops)
         model = self._setup_model()
         self._setup_engine(model)
         self._setup_data()
