@@ -29,20 +29,12 @@ if PUBLIC.is_dir():
 # host would collide on fixed ports, and most of these tests size their load for 2 cores. They keep the
 # cores ~75% busy, and the unit tests run in the other worker meanwhile. (A scheduler of our own:
 # xdist 3.8's `--dist loadgroup` renames node ids, which pytest 9 no longer lets it do.)
-# The tests on `ray start` clusters of their own (tests/support/ray.py chooses every port their nodes open, so they
-# do not collide with a local instance) are a unit of their own: the other worker takes them after the unit tests
-# (xdist hands out the largest units first), beside the service tests.
 SERVICES = "services"
-CLUSTERS = "clusters"
-CLUSTER_MODULES = {"tests/integration/test_multinode.py", "tests/integration/test_submit.py"}
 
 
 def _scope(nodeid: str) -> str:
-    """The unit of work a worker takes whole: the tests on clusters of their own; all other service tests
-    together; a unit-test module."""
+    """The unit of work a worker takes whole: all service tests together; a unit-test module."""
     path = nodeid.split("::", 1)[0]
-    if path in CLUSTER_MODULES:
-        return CLUSTERS
     return SERVICES if {"integration", "e2e"} & set(path.split("/")[:-1]) else path
 
 
