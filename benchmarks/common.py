@@ -61,6 +61,43 @@ def cpu_info() -> dict:
             "cpu_model": out.get("model"), "cpu_bf16_isa": out.get("bf16_isa", [])}
 
 
+class KeptStates:
+    """A model's states of some turns kept in an ``.npz`` -- ``KEY`` and ``KEY_ids``, the turns' ids in row order --
+    so that a rerun over the same turns reuses them (``--features`` of the recipe scripts). States kept under a key
+    for other turns are refused, naming the file and the key, never silently reused."""
+
+    def __init__(self, path: str | Path | None, option: str = "--features"):
+        import numpy as np
+
+        self.path, self.option = (Path(path) if path else None), option
+        self.arrays = dict(np.load(self.path)) if self.path and self.path.is_file() else {}
+        self.kept = sorted(k for k in self.arrays if not k.endswith("_ids"))  # what an earlier run computed
+
+    def check(self, key: str, rows: list, what: str = "") -> None:
+        """Refuse the kept states of ``key`` unless they are of ``rows`` (``what`` names them in the message)."""
+        if f"{key}_ids" not in self.arrays:
+            why = "have no turn ids (an older version of this script wrote them)"
+        elif list(self.arrays[f"{key}_ids"]) != [e.id for e in rows]:
+            why = f"are of other turns than {what or 'these'} (another data job?)"
+        else:
+            return
+        raise SystemExit(f"{self.option} {self.path}: its {key} states {why}; delete it or name another file")
+
+    def get(self, key: str, rows: list, compute, what: str = ""):
+        """The states of ``rows`` under ``key``: the kept ones, else ``compute(rows)``, then kept (written at once)."""
+        import numpy as np
+
+        if key in self.arrays:
+            self.check(key, rows, what)
+            return self.arrays[key]
+        self.arrays[key] = compute(rows)
+        self.arrays[f"{key}_ids"] = np.array([e.id for e in rows])
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(self.path, **self.arrays)
+        return self.arrays[key]
+
+
 def write_result(name: str, data: dict, out: str | Path | None = None) -> Path:
     path = Path(out) if out else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ the recipe's prompt (``model.max_prompt_tokens``, ``model.max_history_turns``), 
 position and averaged over the prompt, source- and class-balanced, strength chosen on dev) is fitted on the same
 seeded train sample (``--per-source`` turns per source, half needing a question where a source has them) and scored
 on the whole dev split: mean within-source AUROC per base, and the paired bootstrap of each base minus the first.
-The test split is not read. States are kept in ``--features-dir`` (one .npz per base) and reused on a rerun.
+The test split is not read. States are kept in ``--features-dir`` (one .npz per base) and reused on a rerun of
+the same turns.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import write_result  # noqa: E402
+from common import KeptStates, write_result  # noqa: E402
 
 C_GRID = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1]
 
@@ -37,8 +38,6 @@ def main() -> None:
     ap.add_argument("--features-dir", default=None, help="keep each base's states here and reuse them")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-
-    import numpy as np
 
     from clarifier.core.config import load_config
     from clarifier.core.metrics import paired_bootstrap, within_source_summary
@@ -62,17 +61,16 @@ def main() -> None:
         engine = ClarifierEngine.from_base(base, cache_dir=cfg.model.cache_dir, prompt_opts=cfg.model.prompt_options(),
                                            precision=cfg.model.precision)
         layers = resolve_layers(cfg.train.decision_head.layers, engine.model.config.num_hidden_layers)
-        cache = Path(args.features_dir) / f"{base.replace('/', '_')}.npz" if args.features_dir else None
-        feats = dict(np.load(cache)) if cache and cache.is_file() else {}
-        for name, split in (("train", train), ("dev", dev)):
-            if name not in feats or list(feats[f"{name}_ids"]) != [e.id for e in split]:
-                feats[name] = hidden_features(engine, split, layers, cfg.eval.batch_size, f"{base} {name}",
-                                              lambda m: print(m, flush=True), ("last", "mean"))[1]
-                feats[f"{name}_ids"] = np.array([e.id for e in split])
-                if cache:
-                    cache.parent.mkdir(parents=True, exist_ok=True)
-                    np.savez(cache, **feats)
-        fit = fit_on_features(feats["train"], train, feats["dev"], dev, C_GRID)
+        kept = KeptStates(Path(args.features_dir) / f"{base.replace('/', '_')}.npz" if args.features_dir else None,
+                          "--features-dir")
+
+        def states(rows, name):
+            return hidden_features(engine, rows, layers, cfg.eval.batch_size, f"{base} {name}",
+                                   lambda m: print(m, flush=True), ("last", "mean"))[1]
+
+        x_train = kept.get("train", train, lambda rows: states(rows, "train"), f"{args.data}'s train sample")
+        x_dev = kept.get("dev", dev, lambda rows: states(rows, "dev"), f"{args.data}'s dev split")
+        fit = fit_on_features(x_train, train, x_dev, dev, C_GRID)
         scores[base] = [float(x) for x in fit["dev_scores"]]
         summary = within_source_summary(gold, scores[base], src)
         rows[base] = {"layers": layers, "hidden_size": engine.model.config.hidden_size,

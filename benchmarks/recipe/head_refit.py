@@ -38,7 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import write_result  # noqa: E402
+from common import KeptStates, write_result  # noqa: E402
 
 
 def parse_head(spec: str) -> tuple[str, list[str], int | None, tuple[int | None, bool], float | None]:
@@ -126,18 +126,13 @@ def main() -> None:
                                                 f", {len(splits['test'])} test turns; evaluation set {len(eval_set)} "
                                                 f"(fingerprint {fingerprint_examples(eval_set)[:12]})"), flush=True)
     dim = len(layers) * engine.model.config.hidden_size  # the engine's features: every layer's last, then mean
-    cache = Path(args.features) if args.features else None
-    feats = dict(np.load(cache)) if cache and cache.is_file() else {}
     # keys: the split's name ("train"; the whole history) or "train@w4" (a window of 4 history turns), "train@w4+focus"
-    cached = sorted(k for k in feats if not k.endswith("_ids"))  # states a previous run of the same data computed
-    for key in cached:
+    kept = KeptStates(args.features)
+    cached = kept.kept  # states a previous run of the same data computed
+    for key in cached:  # checked before any state is computed
         name = key.split("@")[0]
-        if name not in splits:  # --dev-only: the test split's states stay unread
-            continue
-        if f"{key}_ids" not in feats or list(feats[f"{key}_ids"]) != [e.id for e in splits[name]]:
-            why = ("has no turn ids (an older version of this script wrote it)" if f"{key}_ids" not in feats else
-                   f"holds states of other turns than {args.data}'s {name} split (another data job?)")
-            raise SystemExit(f"--features {cache}: its {key} states {why}; delete it or name another file")
+        if name in splits:  # --dev-only: the test split's states stay unread
+            kept.check(key, splits[name], f"{args.data}'s {name} split")
 
     def prompt_of(variant):
         window, focus = variant
@@ -149,15 +144,16 @@ def main() -> None:
         window, focus = opts.max_history_turns, opts.passage_focus
         key = name if window is None and not focus else (
             f"{name}@" + ("" if window is None else f"w{window}") + ("+focus" if focus else ""))
-        if key not in feats:
+
+        def compute(rows):
             engine.opts = opts
-            feats[key] = hidden_features(engine, splits[name], layers, cfg.batch_size, key,
-                                         lambda m: print(m, flush=True), ("last", "mean"))[1]
-            feats[f"{key}_ids"] = np.array([e.id for e in splits[name]])
-            engine.opts = own_opts
-            if cache:
-                np.savez(cache, **feats)
-        return feats[key]
+            try:
+                return hidden_features(engine, rows, layers, cfg.batch_size, key, lambda m: print(m, flush=True),
+                                       ("last", "mean"))[1]
+            finally:
+                engine.opts = own_opts
+
+        return kept.get(key, splits[name], compute, f"{args.data}'s {name} split")
 
     def columns(x, pooling):
         return np.hstack([x[:, :dim] if p == "last" else x[:, dim:] for p in pooling])

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import write_result  # noqa: E402
+from common import KeptStates, write_result  # noqa: E402
 
 
 def parse_labels(text: str) -> list[int | None]:
@@ -182,21 +182,11 @@ def main() -> None:
     print(f"[own] {args.model} ({engine.precision}), layers {layers}; {src}: {len(pool)} train turns to label from, "
           f"{len(test)} test turns; other sources: {len(others)} train, {len(dev)} dev turns", flush=True)
 
-    cache = Path(args.features) if args.features else None
-    feats = dict(np.load(cache)) if cache and cache.is_file() else {}
+    kept = KeptStates(args.features)
 
     def states(key: str, rows: list):
-        ids = np.array([e.id for e in rows])
-        if key in feats and list(feats[f"{key}_ids"]) != list(ids):
-            raise SystemExit(f"--features {cache}: its {key} states are of other turns (another data job?); "
-                             "delete it or name another file")
-        if key not in feats:
-            feats[key] = hidden_features(engine, rows, layers, cfg.batch_size, key,
-                                         lambda m: print(m, flush=True), ("last", "mean"))[1]
-            feats[f"{key}_ids"] = ids
-            if cache:
-                np.savez(cache, **feats)
-        return feats[key]
+        return kept.get(key, rows, lambda r: hidden_features(engine, r, layers, cfg.batch_size, key,
+                                                             lambda m: print(m, flush=True), ("last", "mean"))[1])
 
     x_others, x_pool = states("train_others", others), states(f"train_{src}", pool)
     x_dev, x_test = states("dev_others", dev), states(f"test_{src}", test)
