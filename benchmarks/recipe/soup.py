@@ -8,7 +8,7 @@ Averaging the weights of models fine-tuned from one pretrained model ("model sou
 ranks better than any one of them at the cost of one model. For LoRA the average of the updates
 ``mean_i(s * B_i A_i)`` is itself a LoRA of rank ``n * r``: the A matrices stacked, the B matrices side by side,
 each divided by n, with alpha scaled by n so that ``alpha / r`` stays ``s``. The folder is a copy of the first
-model's (tokenizer, prompt settings) with that adapter and **without** a decision head or threshold: refit the
+model's (tokenizer, prompt settings) with that adapter and **without** a decision head, threshold or model card: refit the
 head on the soup's states (``head_refit.py``) before comparing.
 """
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("models", nargs="+", help="model folders (or builtin:<name>) holding LoRA adapters of one base")
+    ap.add_argument("models", nargs="+", help="model URIs (folders, builtin:<name>, models:/, runs:/, s3://) holding "
+                    "LoRA adapters of one base")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if len(args.models) < 2:
@@ -31,9 +32,13 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from clarifier.engine.builtin import SCHEME, resolve_builtin_uri
+    from clarifier.engine.loading import resolve_model
+    from clarifier.engine.models import ModelResolutionError
 
-    folders = [resolve_builtin_uri(m).folder if m.startswith(f"{SCHEME}:") else Path(m) for m in args.models]
+    try:
+        folders = [resolve_model(m).folder for m in args.models]
+    except ModelResolutionError as exc:
+        raise SystemExit(f"soup: {exc}") from None
     configs = [json.loads((f / "adapter_config.json").read_text()) for f in folders]
     for f, c in zip(folders[1:], configs[1:]):
         for key in ("r", "lora_alpha", "use_rslora", "use_dora"):
@@ -60,7 +65,8 @@ def main() -> None:
     save_file(merged, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {**configs[0], "r": n * configs[0]["r"], "lora_alpha": n * configs[0]["lora_alpha"]}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    (out / "decision_head.safetensors").unlink(missing_ok=True)
+    for stale in ("decision_head.safetensors", "MODEL_CARD.md", "card.json", "train_state.json"):  # the first model's
+        (out / stale).unlink(missing_ok=True)
     settings = json.loads((out / "clarifier.json").read_text())
     for key in ("decision_head", "threshold", "calibration"):
         settings.pop(key, None)
