@@ -98,11 +98,29 @@ class KeptStates:
         return self.arrays[key]
 
 
-def write_result(name: str, data: dict, out: str | Path | None = None) -> Path:
-    path = Path(out) if out else RESULTS / f"{name}.json"
+WRITTEN: set[Path] = set()  # result files this process wrote: a script that saves as it goes may write them again
+
+
+def result_file(name: str, out: str | Path | None = None, suffix: str = ".json", option: str = "--out") -> Path:
+    """Where a result goes (``out``, else ``benchmarks/results/<name><suffix>``), refused at once when a file is
+    already there that this process did not write: an earlier run's result is never overwritten. Call it when the
+    arguments are parsed, so that a run is refused before it is spent; ``write_result`` checks again."""
+    from clarifier.recipes.tables import ResultExists, refuse_existing
+
+    path = Path(out) if out else RESULTS / f"{name}{suffix}"
+    try:
+        refuse_existing([path], option=option, written=WRITTEN)
+    except ResultExists as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return path
+
+
+def write_result(name: str, data: dict, out: str | Path | None = None, option: str = "--out") -> Path:
+    path = result_file(name, out, option=option)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"benchmark": name, "machine": machine_info(), "command": " ".join(sys.argv),
                                 "code": CODE_AT_START, **data}, indent=2) + "\n")
+    WRITTEN.add(path.resolve())
     return path
 
 

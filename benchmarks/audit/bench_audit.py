@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import PeakMemory, write_result  # noqa: E402
+from common import PeakMemory, result_file, write_result  # noqa: E402
 
 
 OVERRIDES: list[str] = []  # from the command line, applied to every audit run
@@ -189,6 +189,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="Result JSON (default benchmarks/results/audit.json).")
     p.add_argument("overrides", nargs="*", help="Config overrides for every audit run, e.g. audit.batch_size=16")
     args = p.parse_args()
+    result_file("audit", args.out)  # refused now, not after the run, when that file is already there
     OVERRIDES[:] = args.overrides
 
     import ray

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import PeakMemory, write_result  # noqa: E402
+from common import PeakMemory, result_file, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data" / "public"
@@ -215,6 +215,7 @@ def main() -> None:
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--out", default=None, help="Result file (default benchmarks/results/data.json).")
     args = ap.parse_args()
+    result_file("data", args.out)  # refused now, not after the run, when that file is already there
 
     def say(msg: str) -> None:
         print(f"[bench-data] {msg}", flush=True)

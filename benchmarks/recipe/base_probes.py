@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import KeptStates, write_result  # noqa: E402
+from common import KeptStates, result_file, write_result  # noqa: E402
 
 C_GRID = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1]
 
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--features-dir", default=None, help="keep each base's states here and reuse them")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    result_file("recipe-base-probes", args.out)  # refused now, not after the run, when that file is already there
 
     from clarifier.core.config import load_config
     from clarifier.core.metrics import paired_bootstrap, within_source_summary

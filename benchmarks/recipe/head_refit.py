@@ -5,7 +5,7 @@
     # (v3.1's):  --head v3=last:600 --head v3.1=last+mean:all   (the defaults)
     # and write the last head's model (a copy of --model with that head and a threshold calibrated on dev), plus a
     # recipe-benchmark result whose row "joint" is that model on the recipe's evaluation set, to package it:
-    #   --save-model DIR --recipe-result benchmarks/results/recipe-joint-public.json
+    #   --save-model DIR --recipe-result benchmarks/results/recipe-joint-public-v3.json
     # v3.2's head: the same states with the prompt showing only the latest 4 history turns (model.max_history_turns;
     # the saved model records it):  --head v3.1=last+mean:all --head v3.2=last+mean:all:4
     # v3.3's: v3.2's states, standardised features clipped at 1 sd (train.decision_head.clip), strengths up to 0.1:
@@ -38,7 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import KeptStates, write_result  # noqa: E402
+from common import KeptStates, result_file, write_result  # noqa: E402
 
 
 def parse_head(spec: str) -> tuple[str, list[str], int | None, tuple[int | None, bool], float | None]:
@@ -97,6 +97,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.dev_only and args.save_model:
         raise SystemExit("--save-model needs the test evaluation: leave out --dev-only")
+    result_file("recipe-head-refit", args.out)  # refused now, not after the run, when that file is already there
+    if args.save_model and args.recipe_result:  # and so is the copy of the recipe result, named after its benchmark
+        result_file(json.loads(Path(args.recipe_result).read_text())["benchmark"] + "-head-refit",
+                    args.recipe_result_out, option="--recipe-result-out")
     heads = [parse_head(h) for h in (args.head or ["v3=last:600", "v3.1=last+mean:all"])]
 
     import numpy as np
@@ -291,7 +295,7 @@ def save_model(args, engine, fit, layers, cfg, splits, eval_set, head_name) -> d
                       if k not in ("machine", "command", "rows", "uncertainty", "error_analysis")},
                    "benchmark": result["benchmark"] + "-head-refit", "derived_from": args.recipe_result,
                    "rows": {"joint": row}}
-        path = write_result(derived["benchmark"], derived, args.recipe_result_out)
+        path = write_result(derived["benchmark"], derived, args.recipe_result_out, option="--recipe-result-out")
         out["recipe_result"] = str(path)
         print(f"[refit] wrote {path} (row joint: the saved model on the recipe's evaluation set)", flush=True)
     return out

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import write_result  # noqa: E402
+from common import result_file, write_result  # noqa: E402
 
 LEAKS = re.compile(r"\|\||grounding:|decision:|\bthe (user|assistant|system)\b|\bturn \d", re.IGNORECASE)
 
@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--min-history", type=int, default=8)
     ap.add_argument("--out", default=None, help="result JSON (default results/recipe-long-rag.json)")
     args = ap.parse_args()
+    result_file("recipe-long-rag", args.out)  # refused now, not after the run, when that file is already there
 
     from clarifier.core.config import ClarifierConfig
     from clarifier.core.metrics import evaluate_predictions

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import KeptStates, write_result  # noqa: E402
+from common import KeptStates, result_file, write_result  # noqa: E402
 
 
 def parse_labels(text: str) -> list[int | None]:
@@ -125,6 +125,7 @@ def main() -> None:
                          "(rows <head>_b), and adapt_b minus adapt by the paired bootstrap")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    result_file(f"recipe-own-labels-{args.source}", args.out)  # refused now, not after the run, when that file is already there
     labels = parse_labels(args.labels)
     heads = [h.strip() for h in args.heads.split(",") if h.strip()]
     if not heads or set(heads) - {"mixed", "own", "prior", "adapt"}:

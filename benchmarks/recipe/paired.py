@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import write_result  # noqa: E402
+from common import result_file, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="result JSON (default results/recipe-paired.json)")
     args = ap.parse_args()
+    result_file("recipe-paired", args.out)  # refused now, not after the run, when that file is already there
     models = {}
     for item in args.model:
         name, sep, uri = item.partition("=")

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import RESULTS, write_result  # noqa: E402
+from common import RESULTS, result_file, write_result  # noqa: E402
 
 SWEEP_CAPABILITY = "probe:long_rag"
 SWEEP_K = (0, 2, 4, 6, 8)  # every long_rag case has at least 8 history turns: each point averages the same cases
@@ -101,6 +101,9 @@ def main() -> None:
     ap.add_argument("--data", default="builtin:probes")
     ap.add_argument("--out", default=None, help="result JSON (default results/recipe-probes.json)")
     args = ap.parse_args()
+    result_file("recipe-probes", args.out)  # refused now, not after the run, when that file is already there
+    plot = Path(args.out).with_name(Path(args.out).stem + "-history.png") if args.out else RESULTS / "recipe-probes-history.png"
+    result_file("recipe-probes-history", plot, ".png")
 
     from clarifier.core.config import ClarifierConfig
     from clarifier.evaluation.evaluate import evaluate, load_eval_data
@@ -132,7 +135,6 @@ def main() -> None:
             out["baselines"] = {b: {"by_capability": capability_table(r["metrics"]), "auroc": r["metrics"]["auroc"],
                                     "accuracy": r["metrics"]["decision"]["accuracy"]}
                                 for b, r in rep["models"].items() if b != "model"}
-    plot = Path(args.out).with_name(Path(args.out).stem + "-history.png") if args.out else RESULTS / "recipe-probes-history.png"
     plot_sweep(sweeps, plot)
     out["plot"] = plot.name
     path = write_result("recipe-probes", out, args.out)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import write_result  # noqa: E402
+from common import result_file, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    result_file("recipe-transfer-matrix", args.out)  # refused now, not after the run, when that file is already there
 
     import numpy as np
     from sklearn.linear_model import LogisticRegression

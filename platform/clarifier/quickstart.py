@@ -130,15 +130,23 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     progress(f"\n== Final report: the decision to ask, on the held-out test split ({summary['n_test']} turns; every "
              f"column and the plots: {report['paths']['markdown']})")
+    for line in result_lines(summary):
+        progress(line)
+    progress(f"done in {summary['seconds']:.0f}s; summary: {workdir / 'summary.json'}")
+    return summary
+
+
+def result_lines(summary: dict) -> list[str]:
+    """The final report's rows, one per model and baseline (the README shows a recorded run's through these)."""
+    lines = []
     for name, f1 in summary["decision_f1"].items():
         if name == "never_ask":  # F1 0 by definition
             continue
         auroc = summary["within_source_auroc"].get(name, {})
         per = ", ".join(f"{s} {a:.2f}" for s, a in auroc.items() if a is not None)
-        progress(f"  {name:<12} F1 {f1:.3f}   recall {summary['recall'][name]:.3f}   over-asking "
-                 f"{summary['over_asking_rate'][name]:.3f}" + (f"   AUROC {per}" if per and name != "always_ask" else ""))
-    progress(f"done in {summary['seconds']:.0f}s; summary: {workdir / 'summary.json'}")
-    return summary
+        lines.append(f"  {name:<12} F1 {f1:.3f}   recall {summary['recall'][name]:.3f}   over-asking "
+                     f"{summary['over_asking_rate'][name]:.3f}" + (f"   AUROC {per}" if per and name != "always_ask" else ""))
+    return lines
 
 
 def _at_baseline_over_asking(report: dict, baselines: tuple[str, ...]) -> dict:

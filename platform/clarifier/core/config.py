@@ -38,6 +38,8 @@ class _Strict(BaseModel):
 
 
 class StorageConfig(_Strict):
+    """Where runs keep their artifacts: Ray Train results and checkpoints, model folders, evaluation reports, the registry's audit log."""
+
     root: str = Field(".clarifier", description="Local folder or s3:// prefix for all artifacts of a run.")
     s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, s3rver); else AWS.")
 
@@ -48,9 +50,9 @@ class SilverGroundingConfig(_Strict):
     enabled: bool = Field(False, description="Run the silver-grounding stage in the data job.")
     encoder: str | None = Field(None, description="Sentence encoder: null = packaged all-MiniLM-L6-v2; folder, hub id or s3://.")
     roles: list[Literal["user", "assistant", "system"]] = Field(["user"], description="Turns that can be grounding.")
-    min_similarity: float = Field(0.3, ge=-1, le=1)
+    min_similarity: float = Field(0.3, ge=-1, le=1, description="MiniLM cosine similarity to the question a turn needs to be chosen.")
     margin: float = Field(0.3, ge=0, le=2, description="Keep turns within this much of the best turn's similarity.")
-    max_turns: int = Field(3, ge=1)
+    max_turns: int = Field(3, ge=1, description="Choose at most this many (most similar) turns per example.")
     compare_with_gold: bool = Field(True, description="Also score gold-grounded examples to report agreement.")
     actors: int = Field(1, ge=1, description="Encoder actors (each holds one encoder).")
 
@@ -58,7 +60,8 @@ class SilverGroundingConfig(_Strict):
 class PackingConfig(_Strict):
     """Pack train examples into fixed-length blocks (attention kept within each example)."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="The data job also writes packed train blocks (train_packed/) and training "
+                                             "reads those. Not with train.variant=pipeline or train.balance.")
     block_length: int = Field(1024, ge=8, description="Tokens per packed block; >= data.max_length.")
 
 
@@ -150,6 +153,8 @@ class DataRequestLogConfig(_Strict):
 
 
 class DataConfig(_Strict):
+    """The data job (`clarifier data prepare`): conversation logs to validated, split, tokenised Parquet (clarifier.data.pipeline)."""
+
     input: str = Field("", description="Folder, file or s3:// prefix of conversation logs / examples.")
     mirror: str | None = Field(
         None, description="Local folder or s3:// prefix holding <name>/ copies of the registered public datasets: "
@@ -158,13 +163,20 @@ class DataConfig(_Strict):
     output: str = Field("", description="Where the data job writes Parquet splits and its manifest.")
     formats: list[Literal["jsonl", "jsonl.gz", "parquet"]] = Field(
         ["jsonl", "jsonl.gz", "parquet"], description="Input file kinds read under data.input (Parquet: one example or log per row).")
-    split: dict[str, float] = {"train": 0.8, "dev": 0.1, "test": 0.1}
-    seed: int = 0
-    max_length: int = 512
+    split: dict[str, float] = Field(
+        {"train": 0.8, "dev": 0.1, "test": 0.1},
+        description="Split name -> fraction of conversations (normalised; 0 = none), assigned by a seeded hash of the "
+                    "conversation id, so a conversation never lands in two splits.")
+    seed: int = Field(0, description="Seeds the split hash, the synthetic generators (unless options.seed) and the sample "
+                                     "data.sources[].max_examples keeps.")
+    max_length: int = Field(512, description="Tokens of prompt + target per example; a longer example is filtered "
+                                             "(reason too_long).")
     max_turn_chars: int = Field(200_000, ge=1, description="Guard against abuse only: a record with a longer turn is "
                                 "quarantined. Real long turns (RAG answers of thousands of characters) are kept; the "
                                 "prompt renderer truncates them by tokens.")
-    synthetic_conversations: int = 400
+    synthetic_conversations: int = Field(
+        400, description="Conversations that `clarifier data prepare --synthetic` writes to data.input; the synthetic "
+                         "generators' default options.conversations.")
     shuffle_strategy: Literal["sort", "hash"] = Field(
         "sort", description="Ray Data shuffle behind the duplicate-key aggregate beyond 200,000 examples (below, "
                             "one task groups the keys): sort = the task-based pull shuffle, hash = Ray's actor-based "
@@ -191,13 +203,17 @@ class DataConfig(_Strict):
 
 
 class LoraConfig(_Strict):
-    r: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    r: int = Field(16, ge=1, description="Rank of the adapter's low-rank matrices.")
+    alpha: int = Field(32, ge=1, description="LoRA scaling: the adapter's update is scaled by alpha / r.")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter's input during training.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Names of the base model's modules that get an adapter (default: the attention and MLP projections).")
 
 
 class ModelConfig(_Strict):
+    """The base model, how it is fine-tuned, and the prompt it is trained, evaluated and served with."""
+
     base_model: str = Field(
         "smollm2-135m-instruct",
         description="Built-in name, hub id, local folder, .gguf file or s3:// prefix.",
@@ -211,7 +227,10 @@ class ModelConfig(_Strict):
         None, description="Start from this Clarifier LoRA model's adapter weights (models:/name@alias, models:/name/3, "
                           "runs:/..., s3:// or a folder; e.g. this week's champion) instead of a fresh adapter; its "
                           "LoRA shape replaces model.lora. It must be a LoRA model on the same base model.")
-    max_prompt_tokens: int = PromptOptions.max_prompt_tokens
+    max_prompt_tokens: int = Field(
+        PromptOptions.max_prompt_tokens,
+        description="Token budget of the prompt: the oldest history turns are dropped until it fits (training, "
+                    "evaluation and serving alike; the model folder records it).")
     max_history_turns: int | None = Field(
         PromptOptions.max_history_turns, ge=0,
         description="Show the model at most this many of the latest history turns (training, evaluation and serving "
@@ -245,13 +264,17 @@ class ModelConfig(_Strict):
 
 
 class LossWeights(_Strict):
-    decision: float = Field(SegmentWeights.decision, ge=0)
-    grounding: float = Field(SegmentWeights.grounding, ge=0)
-    question: float = Field(SegmentWeights.question, ge=0)
+    """Loss weight of each target segment's tokens; the data job writes them into the tokenised rows."""
+
+    decision: float = Field(SegmentWeights.decision, ge=0, description="Weight of the decision token(s): answer or clarify.")
+    grounding: float = Field(SegmentWeights.grounding, ge=0, description="Weight of the grounding line (turns=..., passages=...).")
+    question: float = Field(SegmentWeights.question, ge=0, description="Weight of the clarifying question (with the end-of-turn token).")
     format: float = Field(SegmentWeights.format, ge=0, description="Weight of the fixed 'decision:' prefix tokens.")
 
 
 class DecisionLossConfig(_Strict):
+    """The loss on the decision tokens (answer or clarify)."""
+
     kind: Literal["ce", "weighted", "focal"] = Field(
         "ce", description="Loss on the decision tokens: plain cross-entropy, class-weighted, or focal.")
     clarify_weight: float | Literal["auto"] = Field(
@@ -268,15 +291,19 @@ class DecisionLossConfig(_Strict):
 
 
 class LearningCurveConfig(_Strict):
+    """A learning curve during training: a fixed dev sample scored every few steps, its AUROC logged to MLflow."""
+
     every: int = Field(0, ge=0, description="Score a dev sample every this many optimizer steps (and at the last "
                                             "step) and log its within-source AUROC to MLflow (dev/...); 0 = off.")
     examples_per_source: int = Field(20, ge=2, description="Dev examples per source in that sample (seeded, the same "
                                                            "each time; half need a question where the split has enough). "
                                                            "Each point costs about a second per example on one CPU core.")
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1, description="Examples per batch when that sample is scored.")
 
 
 class DecisionHeadConfig(_Strict):
+    """An optional decision head fitted after training: a logistic regression on the model's hidden states."""
+
     enabled: bool = Field(
         False, description="After training, fit a decision head: a logistic regression on the model's hidden states "
                            "at the decision position (several layers), on a sample of the train split, its strength "
@@ -300,7 +327,7 @@ class DecisionHeadConfig(_Strict):
         None, gt=0, description="Limit every standardised feature to [-clip, clip] standard deviations before the "
                                 "regression (in fitting and when the engine applies the head), so that a few extreme "
                                 "activations cannot swing the decision; null: no limit.")
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1, description="Examples per forward pass when reading the hidden states.")
 
     @field_validator("layers")
     @classmethod
@@ -325,23 +352,31 @@ class DecisionHeadConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    num_workers: int = Field(2, ge=1)
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(1, gt=0)
+    """Training (`clarifier train`): Ray Train workers fine-tuning with DeepSpeed (clarifier.train)."""
+
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel DeepSpeed ranks).")
+    use_gpu: bool = Field(False, description="One GPU per worker: training runs on CUDA (NCCL); else on CPU (gloo).")
+    cpus_per_worker: float = Field(1, gt=0, description="CPUs Ray reserves per worker; also its torch threads.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="How Ray places the training workers' bundles: PACK (fewest nodes), SPREAD (across nodes, best effort), STRICT_PACK (one node), STRICT_SPREAD (each worker on a different node).")
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    micro_batch_size: int = Field(4, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    learning_rate: float = Field(5e-4, gt=0)
-    warmup_steps: int = Field(5, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_steps: int = Field(60, ge=1)
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        2, description="DeepSpeed ZeRO stage: 0 = off; 1 = optimizer state sharded across workers; 2 = also gradients; "
+                       "3 = also parameters.")
+    micro_batch_size: int = Field(4, ge=1, description="Examples (with data.packing: packed blocks) per worker per "
+                                                       "forward/backward pass.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    learning_rate: float = Field(5e-4, gt=0, description="AdamW peak learning rate, reached after warmup_steps, then "
+                                                         "decayed linearly to 0 at max_steps.")
+    warmup_steps: int = Field(5, ge=0, description="Optimizer steps of linear warmup to learning_rate (at most "
+                                                   "max_steps - 1).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_steps: int = Field(60, ge=1, description="Optimizer steps to train; also the length of the learning-rate schedule.")
     max_minutes: float | None = Field(None, gt=0, description="Stop early (and checkpoint) after this much training time.")
     checkpoint_every: int = Field(0, ge=0, description="Steps between checkpoints; 0 = only at the end.")
     keep_checkpoints: int | None = Field(2, ge=1, description="Newest checkpoints kept in storage; null = all.")
     max_failures: int = Field(1, ge=-1, description="Worker-group failures to recover from (resume from the last checkpoint); -1 = unlimited.")
-    seed: int = 0
+    seed: int = Field(0, description="Seeds the workers' random generators, the training row order, the learning-curve "
+                                     "sample and the decision head's fit.")
     loss_weights: LossWeights = LossWeights()
     decision_loss: DecisionLossConfig = DecisionLossConfig()
     learning_curve: LearningCurveConfig = LearningCurveConfig()
@@ -357,7 +392,8 @@ class TrainConfig(_Strict):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory, ~30% slower).")
     offload_optimizer: bool = Field(False, description="DeepSpeed: keep optimizer state in CPU memory (ZeRO-1/2/3).")
     offload_params: bool = Field(False, description="DeepSpeed: keep parameters in CPU memory (ZeRO-3 only).")
-    experiment: str = "clarifier"
+    experiment: str = Field("clarifier", description="MLflow experiment of the training runs (the audit logs to "
+                                                     "<experiment>-audit).")
     run_name: str | None = Field(None, description="Names the MLflow run and the Ray Train run; rerunning with the same name (and storage.root) resumes from its last checkpoint.")
 
     @model_validator(mode="after")
@@ -370,26 +406,33 @@ class TrainConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-    split: str = "test"
+    """Evaluation (`clarifier eval` and the one that ends every training run) and the threshold calibration after training."""
+
+    split: str = Field("test", description="Split of data.output that is evaluated.")
     threshold: float = Field(0.5, ge=0, le=1, description="Decision threshold until calibrated.")
     calibration_split: str | None = Field("dev", description="Split used to calibrate the threshold after training; null = keep eval.threshold.")
     max_over_asking: float | None = Field(
         0.10, ge=0, le=1, description="The operating point: calibrate the threshold on the calibration split for the best "
                                       "recall asking about at most this share of clear turns (over-asking is the costliest "
                                       "error); null = maximise F1 instead.")
-    max_examples: int | None = Field(None, ge=1)
-    max_new_tokens: int = Field(48, ge=1)
-    batch_size: int = Field(8, ge=1)
-    baselines: list[Literal["always_ask", "never_ask", "lexical", "base_model"]] = [
-        "always_ask", "never_ask", "lexical", "base_model"]
+    max_examples: int | None = Field(None, ge=1, description="Evaluate only the first this many examples; null = all.")
+    max_new_tokens: int = Field(48, ge=1, description="Most tokens generated per example (decision, grounding and "
+                                                      "question); the audit and the recipe benchmark use it too.")
+    batch_size: int = Field(8, ge=1, description="Examples per batch when scoring and generating (also the "
+                                                 "calibration scores after training).")
+    baselines: list[Literal["always_ask", "never_ask", "lexical", "base_model"]] = Field(
+        ["always_ask", "never_ask", "lexical", "base_model"],
+        description="Baseline rows of the report; always_ask, never_ask and lexical are always there, base_model (the "
+                    "untrained base model, zero-shot, decision only) only when listed.")
     compare: dict[str, str] = Field(
         default_factory=dict,
         description="More models in the same report, name -> URI (e.g. {pipeline: models:/clarifier-pipeline/3}).")
     engine: Literal["local", "ray"] = Field(
         "local", description="local: score/generate in this process; ray: Ray Data map_batches over a pool of scorer actors.")
     ray_actors: int = Field(1, ge=1, description="eval.engine=ray: scorer actors (each loads the model once).")
-    ray_cpus_per_actor: float = Field(1, gt=0)
-    ray_gpus_per_actor: float = Field(0, ge=0)
+    ray_cpus_per_actor: float = Field(1, gt=0, description="eval.engine=ray: CPUs per scorer actor (its torch threads).")
+    ray_gpus_per_actor: float = Field(0, ge=0, description="eval.engine=ray: GPUs per scorer actor; > 0 runs the "
+                                                           "model on CUDA.")
     semantic_encoder: str | None = Field(
         "all-minilm-l6-v2", description="Sentence encoder for question semantic similarity; null = skip that metric.")
 
@@ -420,8 +463,12 @@ class GateConfig(_Strict):
 
 
 class RegistryConfig(_Strict):
-    model_name: str = "clarifier"
-    alias: str = "champion"
+    """The MLflow model registry: the model name and alias, the promotion gate and its audit log."""
+
+    model_name: str = Field("clarifier", description="Registered model name: the quickstart registers its model "
+                                                     "under it; the audit's default model is model_name@alias.")
+    alias: str = Field("champion", description="Alias the quickstart sets on the version it registers; see "
+                                               "registry.model_name.")
     gate: GateConfig = GateConfig()
     audit_log: str | None = Field(
         None, description="Promotion audit log: local JSONL file or s3:// prefix; default <storage.root>/registry/audit.jsonl.")
@@ -431,14 +478,18 @@ class ServeAutoscalingConfig(_Strict):
     """Ray Serve autoscaling of the ClarifierModel deployment (the ingress follows; see serving.app)."""
 
     enabled: bool = Field(False, description="Autoscale model replicas (serve.num_replicas is then ignored).")
-    min_replicas: int = Field(1, ge=1)
-    max_replicas: int = Field(4, ge=1)
-    initial_replicas: int | None = Field(None, ge=1)
+    min_replicas: int = Field(1, ge=1, description="Fewest model replicas.")
+    max_replicas: int = Field(4, ge=1, description="Most model replicas (the ingress scales up to as many).")
+    initial_replicas: int | None = Field(None, ge=1, description="Model replicas at deployment; null = min_replicas.")
     target_ongoing_requests: float = Field(4, gt=0, description="Ongoing requests per replica the autoscaler aims for.")
-    upscale_delay_s: float = Field(30, ge=0)
-    downscale_delay_s: float = Field(600, ge=0)
-    look_back_period_s: float = Field(30, gt=0)
-    metrics_interval_s: float = Field(10, gt=0)
+    upscale_delay_s: float = Field(30, ge=0, description="Seconds the load must stay above target before replicas are "
+                                                         "added (model and ingress).")
+    downscale_delay_s: float = Field(600, ge=0, description="Seconds the load must stay below target before replicas "
+                                                            "are removed (model and ingress).")
+    look_back_period_s: float = Field(30, gt=0, description="Seconds over which ongoing requests are averaged for a "
+                                                            "scaling decision.")
+    metrics_interval_s: float = Field(10, gt=0, description="Seconds between the replicas' reports of their ongoing "
+                                                            "requests to the autoscaler.")
 
     @model_validator(mode="after")
     def _bounds(self) -> "ServeAutoscalingConfig":
@@ -476,14 +527,17 @@ class RequestLogConfig(_Strict):
 
 
 class ServeConfig(_Strict):
-    model_uri: str = "models:/clarifier@champion"
+    """`clarifier serve`: the Ray Serve application, a batched model deployment behind an HTTP ingress (clarifier.serving.app)."""
+
+    model_uri: str = Field("models:/clarifier@champion", description="The model served: models:/name@alias (followed, "
+                           "see model_refresh_s), models:/name/3, runs:/..., s3:// or a model folder.")
     model_name: str | None = Field(None, description="The model id of GET /v1/models and chat completions; default: "
                                    "the registered model's name (models:/name...), else the model folder's name.")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    route_prefix: str = "/"
-    num_replicas: int = Field(1, ge=1)
-    cpus_per_replica: float = Field(1, gt=0)
+    host: str = Field("127.0.0.1", description="Address the Serve HTTP proxy listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the Serve HTTP proxy listens on.")
+    route_prefix: str = Field("/", description="URL path prefix of the application's endpoints.")
+    num_replicas: int = Field(1, ge=1, description="Model replicas without autoscaling (the ingress has one).")
+    cpus_per_replica: float = Field(1, gt=0, description="CPUs Ray reserves per model replica; also its torch threads.")
     gpus_per_replica: float = Field(0, ge=0, description="GPUs per model replica (the model then runs on CUDA).")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Numeric precision of the model replicas: auto = bf16 where the replica's device computes "
@@ -496,10 +550,13 @@ class ServeConfig(_Strict):
     latency_budget_s: float = Field(
         5.0, gt=0, description="With max_queued_requests null: admit a request only while the backlog ahead of it is "
                                "answered within this many seconds at the measured throughput; else a fast 503.")
-    max_batch_size: int = Field(8, ge=1)
-    batch_wait_timeout_s: float = Field(0.05, ge=0)
-    max_new_tokens: int = Field(48, ge=1)
-    max_history_turns: int = Field(50, ge=0)
+    max_batch_size: int = Field(8, ge=1, description="Most requests a model replica answers in one dynamic batch.")
+    batch_wait_timeout_s: float = Field(0.05, ge=0, description="Seconds a model replica waits for more requests to "
+                                                                "fill a batch.")
+    max_new_tokens: int = Field(48, ge=1, description="Most tokens generated per answer (decision, grounding and "
+                                                      "question).")
+    max_history_turns: int = Field(50, ge=0, description="Guard against abuse: a request with more history turns is "
+                                                         "refused (413).")
     max_chars: int = Field(1_000_000, ge=1, description="Guard against abuse only: history + query + passages of one "
                                                         "request; the prompt renderer truncates long turns by tokens.")
     max_batch_requests: int = Field(32, ge=1, description="Most requests in one POST /v1/clarify/batch.")
@@ -522,7 +579,7 @@ class ServeConfig(_Strict):
 class FeedbackSignalConfig(_Strict):
     """Explicit feedback on an answer (``feedback``/``rating`` fields, see clarifier.data.chatlog)."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Compute this signal; when off it never marks a turn failed.")
     rating_at_most: float = Field(2, description="A numeric rating at or below this marks a failure (1-5 scale: 2; "
                                                  "set 0 for a 0/1 scale, -1 for a -1/+1 scale).")
     negative_values: list[str] = Field(
@@ -534,30 +591,38 @@ class FeedbackSignalConfig(_Strict):
 
 
 class PatternSignalConfig(_Strict):
-    enabled: bool = True
+    """A signal that fires when the assistant's answer matches one of its patterns."""
+
+    enabled: bool = Field(True, description="Compute this signal; when off it never marks a turn failed.")
     patterns: list[str] = Field(default_factory=list, description="Case-insensitive regular expressions.")
 
 
 class ReformulationSignalConfig(_Strict):
     """The user restates the same request in the next turn (a sign the answer missed)."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Compute this signal (the scorer actors then also load the encoder); when "
+                                            "off it never marks a turn failed.")
     min_similarity: float = Field(0.75, ge=-1, le=1, description="MiniLM cosine similarity of a user turn and the "
                                                                  "next user turn at or above which it is a reformulation.")
     encoder: str | None = Field(None, description="Sentence encoder; null = the packaged all-MiniLM-L6-v2.")
-    actors: int = Field(1, ge=1)
+    actors: int = Field(1, ge=1, description="Not read by the audit: each scorer actor (audit.actors) holds its own "
+                                             "encoder.")
 
 
 class AuditSignalsConfig(_Strict):
+    """Outcome signals: a turn failed when any enabled signal fires (clarifier.data.signals)."""
+
     feedback: FeedbackSignalConfig = FeedbackSignalConfig()
-    no_answer: PatternSignalConfig = PatternSignalConfig(patterns=[
+    no_answer: PatternSignalConfig = Field(PatternSignalConfig(patterns=[
         r"\bI (?:could not|couldn['’]?t|cannot|can not|can['’]?t|was unable to|am unable to|wasn['’]?t able to) find\b",
         r"\bno (?:relevant )?(?:information|results|documents?) (?:was |were )?found\b",
         r"\bI (?:do not|don['’]?t) (?:have|know)\b.{0,40}\b(?:information|answer|details)\b",
-        r"\bI'?m (?:not sure|sorry, but I (?:can't|cannot|couldn't))\b", r"\bunable to (?:answer|help with)\b"])
-    escalation: PatternSignalConfig = PatternSignalConfig(patterns=[
+        r"\bI'?m (?:not sure|sorry, but I (?:can't|cannot|couldn't))\b", r"\bunable to (?:answer|help with)\b"]),
+        description="The answer says it found nothing (\"I couldn't find ...\").")
+    escalation: PatternSignalConfig = Field(PatternSignalConfig(patterns=[
         r"\b(?:transfer|connect|escalat)\w* (?:you|this|your (?:request|case))\b.{0,40}\b(?:human|agent|person|support|specialist|team)\b",
-        r"\bopen(?:ed)? a (?:support )?ticket\b"])
+        r"\bopen(?:ed)? a (?:support )?ticket\b"]),
+        description="A hand-off to a human: the log marks it (escalated / handoff) or the answer matches a pattern.")
     reformulation: ReformulationSignalConfig = ReformulationSignalConfig()
 
 
@@ -568,14 +633,15 @@ class AuditConfig(_Strict):
     output: str = Field("", description="Folder or s3:// prefix for the audit's Parquet, report and plots.")
     model_uri: str | None = Field(None, description="The model; null = the registry's registry.model_name@registry.alias "
                                                     "when a tracking URI is set, else the quickstart's model.")
-    formats: list[Literal["jsonl", "jsonl.gz", "parquet"]] = ["jsonl", "jsonl.gz", "parquet"]
+    formats: list[Literal["jsonl", "jsonl.gz", "parquet"]] = Field(
+        ["jsonl", "jsonl.gz", "parquet"], description="Log file kinds read under audit.logs (Parquet: one record per row).")
     rule_share: float = Field(0.15, gt=0, lt=1, description="A clarifier is worth it when more than this share of "
                                                             "failed turns needed clarification.")
-    confidence: float = Field(0.95, gt=0, lt=1)
-    bootstrap: int = Field(1000, ge=100)
+    confidence: float = Field(0.95, gt=0, lt=1, description="Confidence level of the shares' bootstrap intervals.")
+    bootstrap: int = Field(1000, ge=100, description="Bootstrap replicates behind each interval.")
     buckets: int = Field(1000, ge=10, description="Conversations are hashed into this many buckets; the bootstrap "
                                                   "resamples buckets (turns of a conversation stay together).")
-    seed: int = 0
+    seed: int = Field(0, description="Seeds the bootstrap and the sample of flagged turns given a question.")
     segments: list[str] = Field(["domain"], description="Metadata fields to break the shares down by.")
     max_segment_values: int = Field(20, ge=1, description="Per segment field, the most frequent values shown; the rest are 'other'.")
     sample_questions: int = Field(30, ge=0, description="Flagged turns (a seeded sample) for which a question is "
@@ -585,7 +651,8 @@ class AuditConfig(_Strict):
         "labelled turns; report = eval_report; calibration = the counts stored with the model (its dev split); "
         "auto = labels when there are min_labelled of each class, else report when given, else calibration.")
     eval_report: str | None = Field(None, description="report.json of `clarifier eval` for this model.")
-    min_labelled: int = Field(30, ge=1)
+    min_labelled: int = Field(30, ge=1, description="Labelled turns of each class the logs need for their own error "
+                                                    "rates (and, in each half, for threshold=youden).")
     min_youden_j: float = Field(0.1, ge=0, lt=1, description="Below this recall - false-positive rate the model's "
                                 "flags are too weak to correct from: the verdict is 'undetermined'.")
     threshold: Literal["auto", "model", "youden"] | float = Field(
@@ -599,15 +666,17 @@ class AuditConfig(_Strict):
                                "to `output` (same logs, same model) without scoring again: for other error rates, "
                                "threshold, rule, bootstrap or labels. Refused when the logs or the model changed.")
     actors: int = Field(1, ge=1, description="Scorer actors (each loads the model once).")
-    cpus_per_actor: float = Field(1, gt=0)
-    gpus_per_actor: float = Field(0, ge=0)
-    batch_size: int = Field(8, ge=1)
+    cpus_per_actor: float = Field(1, gt=0, description="CPUs per scorer actor (its torch threads).")
+    gpus_per_actor: float = Field(0, ge=0, description="GPUs per scorer actor; > 0 runs the model on CUDA.")
+    batch_size: int = Field(8, ge=1, description="Turns per forward pass of a scorer actor.")
     max_turn_chars: int = Field(200_000, ge=1, description="Guard against abuse only: longer turns quarantine their "
                                                             "conversation. Long turns are truncated for the prompt.")
     signals: AuditSignalsConfig = AuditSignalsConfig()
 
 
 class TrackingConfig(_Strict):
+    """MLflow tracking: where runs are logged, and how training copes with an unreachable server."""
+
     tracking_uri: str | None = Field(None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI.")
     buffer_max_values: int = Field(
         50_000, ge=1, description="Training: metric values held in memory while the MLflow server is unreachable "

@@ -334,16 +334,20 @@ def row_metrics(examples, preds, sim_fn, grounding_source) -> dict:
 def run_benchmark(plan_name: str, out: str | Path | None = None, workdir: str | Path | None = None,
                   overrides: list[str] | tuple[str, ...] = (), leave_out: list[str] | tuple[str, ...] = (),
                   progress: Progress = print) -> dict:
-    """Run the plan; writes ``<out>.json`` and ``<out>.md`` (default ``benchmarks/results/recipe-<plan name>``).
+    """Run the plan; writes ``<out>.json`` and ``<out>.md`` (default ``benchmarks/results/recipe-<plan name>``), and
+    refuses at once (``ResultExists``) when either is already there: an earlier run's result is never overwritten.
 
     ``leave_out`` replaces the plan's ``leave_one_out.sources`` (the default output name then ends with
     them, e.g. ``recipe-joint-public-loo-clariq``), so one plan's sources can be run a part at a time."""
     from clarifier.runtime.services import mlflow_env, start_mlflow_server
 
     plan, name = resolve_plan(plan_name, overrides, leave_out)
+    out = Path(out) if out else Path("benchmarks") / "results" / name  # relative to the working directory
+    from clarifier.recipes.tables import output_paths, refuse_existing
+
+    refuse_existing(output_paths(out).values())  # before hours of training, not after: a result is never overwritten
     workdir = Path(workdir or f".clarifier/recipe-benchmark/{plan.recipe}").expanduser().resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    out = Path(out) if out else Path("benchmarks") / "results" / name  # relative to the working directory
     clock = _Clock(progress)
     for k, v in mlflow_env().items():
         os.environ.setdefault(k, v)

@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
@@ -406,12 +407,68 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(result: dict, out: str | Path) -> dict[str, Path]:
+# ---- result files are never overwritten ------------------------------------------------------
+
+
+class ResultExists(FileExistsError):
+    """A result file that is already there: a new run gets a new name, an earlier run's file stays as measured."""
+
+
+def suggest_new_name(path: str | Path) -> Path:
+    """A free name beside ``path`` for a new run: the next ``-vN`` where the name (or a sibling) is versioned
+    (``recipe-joint-public-v3.json`` -> ``-v4``), else today's date (``data.json`` -> ``data-2026-12-07.json``)."""
+    path = Path(path)
+    suffix = path.suffix if path.suffix in (".json", ".md", ".png") else ""
+    stem = path.name[: len(path.name) - len(suffix)] if suffix else path.name
+    m = re.fullmatch(r"(.*)-v(\d+)", stem)
+    base, n = (m.group(1), int(m.group(2))) if m else (stem, None)
+    if n is None:
+        seen = [int(x.group(1)) for q in path.parent.glob(f"{stem}-v*")
+                if (x := re.fullmatch(re.escape(stem) + r"-v(\d+)(?:\.[a-z]+)?", q.name))]
+        n = max(seen) if seen else None
+    if n is not None:
+        names = (f"{base}-v{k}{suffix}" for k in range(n + 1, n + 1000))
+    else:
+        day = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+        stem = re.sub(r"-\d{4}-\d\d-\d\d(?:-\d+)?$", "", stem)  # data-2026-12-04-2.json -> data-<today>.json
+        names = (f"{stem}-{day}{suffix}" if k == 1 else f"{stem}-{day}-{k}{suffix}" for k in range(1, 1000))
+    return next(path.with_name(name) for name in names if not path.with_name(name).exists())
+
+
+def refuse_existing(paths, option: str = "--out", written=()) -> None:
+    """Raise ResultExists, one line naming the file and a new name to pass, when a result file is already there
+    (``written``: files this process wrote itself, which it may write again as it goes)."""
+    done = {Path(w).resolve() for w in written}
+
+    def shown(p: Path) -> Path:  # relative to the working directory where it lies inside it
+        try:
+            return p.resolve().relative_to(Path.cwd().resolve()) if p.is_absolute() else p
+        except ValueError:
+            return p
+
+    for path in map(Path, paths):
+        if path.exists() and path.resolve() not in done:
+            raise ResultExists(f"{shown(path)} exists and result files are never overwritten: pass a new name, "
+                               f"e.g. {option} {shown(suggest_new_name(path))}")
+
+
+def output_paths(out: str | Path) -> dict[str, Path]:
+    """The recipe benchmark's files for ``out`` (a path without suffix; a ``.json`` or ``.md`` suffix is dropped,
+    a dot in a version such as ``-v3.2`` is kept)."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix in (".json", ".md"):
+        out = out.with_name(out.name[: -len(out.suffix)])
+    return {"json": out.with_name(out.name + ".json"), "md": out.with_name(out.name + ".md"),
+            "png": out.with_name(out.name + "-learning-curve.png")}
+
+
+def write_outputs(result: dict, out: str | Path) -> dict[str, Path]:
+    paths = output_paths(out)
+    refuse_existing(paths.values())
+    paths["json"].parent.mkdir(parents=True, exist_ok=True)
     result.setdefault("machine", machine())
-    js, md = out.with_suffix(".json"), out.with_suffix(".md")
-    png = plot_learning_curves(result, out.with_name(out.name + "-learning-curve.png"))
+    js, md = paths["json"], paths["md"]
+    png = plot_learning_curves(result, paths["png"])
     if png:
         result["learning_curve_plot"] = png.name
     js.write_text(json.dumps(result, indent=1, default=str) + "\n")
