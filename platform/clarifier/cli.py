@@ -172,6 +172,8 @@ def verdict_lines(summary: dict) -> list[tuple[str, bool]]:
     one's own operating point, then (where the summary has it) recall at the baseline's over-asking rate."""
     f1, oa = summary["decision_f1"], summary["over_asking_rate"]
     out = []
+    if summary.get("skill"):  # the headline: the margin over position and length alone
+        out.append((summary["skill"]["verdict"], bool(summary["skill"]["beats_control"])))
     for b in ("lexical", "always_ask", "base_model"):
         if b not in f1 or "model" not in f1:
             continue
@@ -496,8 +498,17 @@ def _print_adapted(res: dict) -> None:
              "and only sets its threshold on your turns")
     _say(f"[adapt] kept: threshold {res['threshold']:.3f} ({res['rule']}): recall {fmt(at['recall'])}, "
          f"over-asking {fmt(at['over_asking_rate'])}, F1 {fmt(at['f1'])}")
-    _say(f"[adapt] wrote {res['folder']} (adapt.json says how). These figures come from the turns it learned from "
-         f"(out of fold); confirm on turns kept apart:\n  clarifier eval --model {res['folder']} --data HELD_OUT.jsonl\n"
+    est = res.get("estimate")
+    if est:
+        _say(f"[adapt] estimate for turns it never saw ({est['method']}; every choice made inside each fold): AUROC "
+             f"{fmt(est['auroc'])}, recall {fmt(est['recall_at_budget'])} and F1 {fmt(est['f1_at_budget'])} at "
+             f"{est['budget']:.0%} over-asking; surface control (position and length only) {fmt(est['surface_control_auroc'])}")
+        won = est["skill"]["beats_control"]
+        line = f"[adapt] {est['skill']['verdict']}"
+        console.print(line if won else f"[yellow]{escape(line)}[/yellow]", markup=not won, highlight=False)
+    _say(f"[adapt] wrote {res['folder']} (adapt.json says how). The table's figures chose the head on the turns they "
+         f"score (optimistic); the estimate above did not. Confirm on turns kept apart:\n"
+         f"  clarifier eval --model {res['folder']} --data HELD_OUT.jsonl\n"
          f"  clarifier serve serve.model_uri={res['folder']}")
 
 

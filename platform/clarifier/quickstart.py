@@ -124,6 +124,8 @@ def _pipeline(cfg: ClarifierConfig, store: Path, workdir: Path, stage, progress,
         "within_source_auroc": {name: {s: d["auroc"] for s, d in m["within_source"]["by_source"].items()}
                                 for name, m in metrics.items() if m.get("within_source")},
         "at_baseline_over_asking": _at_baseline_over_asking(report, baselines=("lexical",)),
+        "skill": {k: report["skill"][k] for k in ("verdict", "beats_control", "headline", "mixed", "within_source")
+                  if k in report["skill"]},
         "report": report.get("paths", {}),
         "served": answers,
     }

@@ -62,11 +62,15 @@ def test_logs_to_served_model(tiny_model_dir, mlflow_server, ray_local, tmp_path
     assert run.data.metrics["calibration/threshold"] == meta["threshold"]
 
     report = evaluate(cfg, str(folder), run_id=tr.run_id, out_dir=str(tmp_path / "eval"), progress=lambda m: None)
-    assert set(report["models"]) == {"model", "always_ask", "never_ask", "lexical", "base_model"}
+    assert set(report["models"]) == {"model", "always_ask", "never_ask", "lexical", "base_model", "surface_control"}
+    # the surface control is fitted on the data job's train split, and the report leads with the model's margin
+    assert report["models"]["surface_control"]["control"]["fitted_on"].startswith("the train split")
+    assert report["skill"]["verdict"] and report["skill"]["mixed"]["control_auroc"] is not None
     assert report["models"]["always_ask"]["metrics"]["decision"]["recall"] == 1.0
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["n"] == report["n"]
     run = client.get_run(tr.run_id)
-    assert "eval/decision/f1" in run.data.metrics
+    assert "eval/decision/f1" in run.data.metrics and "eval/skill/mixed" in run.data.metrics
+    assert run.data.tags["eval.beats_surface_control"] in ("true", "false")
     assert any(a.path == "eval" for a in client.list_artifacts(tr.run_id))
 
     mv = register_adapter(tr.run_id, "e2e-clarifier", alias="champion", tags={"eval.f1": 0.5})

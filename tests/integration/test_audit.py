@@ -118,6 +118,11 @@ def test_audit_on_loopback_s3_with_labelled_turns(model, ray_local, s3_bucket, t
     assert summary["counts"]["turns"] == 160 and summary["counts"]["quarantined"] == 0
     rates = summary["error_rates"]
     assert rates["source"].startswith("80 labelled turns in these logs") and rates["tp"] + rates["fn"] == 40
+    # the model against position and length alone on those labelled turns, said in the report
+    skill = summary["skill_on_labelled_turns"]
+    assert skill["n"] == 80 and skill["clarify"] == 40 and skill["mixed"]["control_auroc"] is not None
+    assert "surface control" in skill["verdict"]
+    assert "labelled turns: the model" in storage.read_text(f"s3://{s3_bucket}/audit/report.md")
     assert storage.exists(f"s3://{s3_bucket}/audit/report.html")
     assert json.loads(storage.read_text(f"s3://{s3_bucket}/audit/report.json"))["counts"]["turns"] == 160
     scored = storage.list_files(f"s3://{s3_bucket}/audit/turns", (".parquet",))

@@ -91,7 +91,10 @@ def test_eval_report_local_and_ray_agree_and_carry_baselines_similarity_skips(
     remote = evaluate(build_config({}, base + ["eval.engine=ray", "eval.ray_actors=2", "eval.ray_cpus_per_actor=0.5"]),
                       str(adapter), str(eval_file), out_dir=str(tmp_path / "ray"), progress=lambda m: None)
 
-    assert set(local["models"]) == {"model", "always_ask", "never_ask", "lexical"}
+    assert set(local["models"]) == {"model", "always_ask", "never_ask", "lexical", "surface_control"}
+    # an evaluation set on its own: the surface control is cross-fitted on it, and the report leads with the margin
+    assert "out of fold" in local["models"]["surface_control"]["control"]["fitted_on"]
+    assert local["skill"]["verdict"] and any("surface control" in m for m in msgs)
     for name in local["models"]:
         assert remote["models"][name]["metrics"] == local["models"][name]["metrics"], name
         assert remote["models"][name]["scores"] == local["models"][name]["scores"], name

@@ -60,7 +60,8 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
                            progress=messages.append)
 
     # every row, scored on the same evaluation set, overall and per source
-    assert list(result["rows"]) == ["never_ask", "always_ask", "lexical", "source_only", "zero_shot_tiny", "joint",
+    assert list(result["rows"]) == ["never_ask", "always_ask", "lexical", "source_only", "surface_control",
+                                    "zero_shot_tiny", "joint",
                                     "joint_tokens", "joint_no_class_weighting", "joint_no_class_weighting_tokens",
                                     "probe_tiny", "encoder_tiny"]
     by_source = result["eval_set"]["by_source"]
@@ -78,6 +79,15 @@ def test_recipe_benchmark_tiny(tiny_model_dir, ray_local, mlflow_server, tmp_pat
     # ... and the balanced training mix leaves it nothing to learn
     assert result["train_mix"]["balance"] == "source_class" and result["train_mix"]["source_only_auroc"] == pytest.approx(0.5, abs=0.02)
     assert result["train_mix"]["source_only_auroc_natural"] > 0.55
+    # the surface control is fitted on the train split; every scored row states its margin over it
+    surface = result["rows"]["surface_control"]
+    assert surface["kind"] == "control" and surface["fitted_on"].startswith("the train split")
+    skill = result["skill_over_surface_control"]
+    assert set(skill) == {"zero_shot_tiny", "joint", "joint_tokens", "joint_no_class_weighting",
+                          "joint_no_class_weighting_tokens", "probe_tiny", "encoder_tiny"}
+    assert skill["joint"]["headline"] == "within_source" and skill["joint"]["verdict"].startswith("joint ")
+    assert any(m.startswith("[recipe] joint ") and "surface control" in m for m in messages)
+    assert "## Skill over the surface control" in (tmp_path / "out" / "report.md").read_text()
     assert result["rows"]["always_ask"]["metrics"]["all"]["decision"]["recall"] == 1.0
     zs = result["rows"]["zero_shot_tiny"]  # thresholded by the trained rows' calibration rule, on dev
     assert zs["threshold"] == zs["calibration"]["threshold"] and 0.0 <= zs["threshold"] <= 1.0

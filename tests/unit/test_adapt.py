@@ -72,6 +72,11 @@ def test_adapting_to_a_user_whose_notion_is_the_opposite(headed_model, tmp_path)
     assert res["before"]["decided_by"] == "decision head" and res["before"]["auroc"] < 0.1  # ranked backwards
     assert res["kept"] in ("head", "scratch") and res["heads"][res["kept"]]["cv_auroc"] > 0.9
     assert set(res["heads"]) == {"head", "scratch"} and res["n"] == 30 and res["clarify"] == 15
+    # the figure to quote: every choice made again inside each fold by conversation, beside the surface control
+    est = res["estimate"]
+    assert est["method"].startswith("nested cross-validation") and est["auroc"] > 0.8
+    assert est["surface_control_auroc"] is not None and est["skill"]["mixed"]["control_auroc"] == est["surface_control_auroc"]
+    assert any("honest estimate" in line for line in lines)
 
     engine = load_engine(tmp_path / "adapted", precision="fp32")
     scores = engine.score([(e.history, e.query, e.passages) for e in theirs])
@@ -121,6 +126,7 @@ def test_cli_adapts_from_a_jsonl_file_and_names_a_one_class_file(headed_model, t
     assert res.exit_code == 0, res.output
     assert "AUROC on your 30 labelled turns (15 need a question" in res.output and "kept:" in res.output
     assert "clarifier eval --model" in res.output and (tmp_path / "adapted" / "adapt.json").is_file()
+    assert "estimate for turns it never saw (nested cross-validation" in res.output and "surface control" in res.output
     again = CliRunner().invoke(app, ["adapt", "--model", str(headed_model), "--data", str(path), "--out",
                                      str(tmp_path / "adapted"), "model.precision=fp32"])
     assert again.exit_code == 0, again.output  # an earlier adapt output is replaced

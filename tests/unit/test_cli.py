@@ -112,6 +112,15 @@ def test_quickstart_says_by_how_much_the_model_beats_each_baseline():
                      "over-asking 0.100 vs 0.300", False)]
 
 
+def test_quickstart_leads_with_the_margin_over_the_surface_control():
+    from clarifier.cli import verdict_lines
+
+    said = "the model does NOT beat its surface control (position and length only): +0.010 [-0.040, +0.060]"
+    lines = verdict_lines({"decision_f1": {"model": 0.9, "lexical": 0.8}, "over_asking_rate": {"model": 0.1, "lexical": 0.3},
+                           "skill": {"verdict": said, "beats_control": False}})
+    assert lines[0] == (said, False) and lines[1][0].startswith("the trained model beats lexical")
+
+
 def test_quickstart_compares_recall_at_the_rules_over_asking():
     """F1 at each one's own operating point can favour a rule that asks 3x as often; the summary also says what
     the model's scores catch when they may over-ask as often as the rule did."""

@@ -184,6 +184,34 @@ def default_model_uri(cfg: ClarifierConfig) -> str:
                      "runs:/..., s3://...), or run `clarifier quickstart` first (its model is the default)")
 
 
+def labelled_turns(batch: pa.Table) -> pa.Table:
+    """The labelled turns of a batch with what the surface control reads: ``score``, ``gold``, ``turn_json``."""
+    t = batch.select(["score", "gold", "turn_json"])
+    return t.filter(pa.compute.is_valid(t.column("gold")))
+
+
+def labelled_skill(written, min_labelled: int, notes: list[str], progress) -> dict | None:
+    """On the logs' own labelled turns: the model's AUROC against the surface control's (position and length only,
+    cross-fitted on those turns by conversation), with the paired bootstrap interval of the margin
+    (:func:`clarifier.core.surface.skill_over_control`); None with fewer than ``min_labelled`` of each class."""
+    from clarifier.core.schema import Example
+    from clarifier.core.surface import cross_fitted_scores, skill_over_control
+
+    rows = written.map_batches(labelled_turns, batch_format="pyarrow", num_cpus=0).take_all()
+    gold = [bool(r["gold"]) for r in rows]
+    if min(sum(gold), len(gold) - sum(gold)) < min_labelled:
+        return None
+    examples = [Example.model_validate_json(r["turn_json"]) for r in rows]
+    control = cross_fitted_scores(examples, gold, groups=[e.conversation_id for e in examples])
+    skill = skill_over_control(gold, [float(r["score"]) for r in rows], control, model="the model")
+    skill["n"], skill["clarify"] = len(gold), sum(gold)
+    progress(f"[audit] on the {len(gold)} labelled turns: {skill['verdict']}")
+    if not skill["beats_control"]:
+        notes.append(f"on the logs' {len(gold)} labelled turns the model does not rank better than position and "
+                     "length alone (the surface control): its flags may follow where turns sit and how long they are")
+    return skill
+
+
 def _estimation_threshold(cfg: ClarifierConfig, meta, written, notes: list[str], progress) -> tuple[dict, ErrorRates | None]:
     """The threshold the shares are estimated at (``audit.threshold``) and, when it was chosen on the
     labelled turns, the error rates measured on the other half of them: ``({"value": None | float,
@@ -513,6 +541,7 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
         notes.append(f"the scores were reused from an earlier run of this audit ({storage.join(a.output, SCORES)}); "
                      "the turns were not scored again")
     est_threshold, chosen_rates = _estimation_threshold(cfg, meta, written, notes, progress)
+    skill = labelled_skill(written, a.min_labelled, notes, progress)
     agg_cols = ["bucket", "failed", "flagged", "user_position", "answered", "n_passages", *SIGNALS, "feedback_unknown",
                 "gold", "score", *seg_cols]
     rows = (written.select_columns(agg_cols)
@@ -551,6 +580,7 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
                    "turns": counts["n_turns"], "failed_turns": head["failed"]["n"]},
         "signals_present": signals_seen,
         "error_rates": rates.as_dict() if rates else None,
+        "skill_on_labelled_turns": skill,
         "rule_share": a.rule_share, "verdict": answer,
         "flagged_share": head["turns"], "failed_needing_clarification": head["failed"],
         "breakdowns": _breakdowns(ests, a.segments),

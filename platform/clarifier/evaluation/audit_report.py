@@ -48,6 +48,9 @@ def format_summary(s: dict) -> str:
                              and rates.get("false_positive_rate") is not None else "none (not corrected)"),
         f"  verdict: {s['verdict']['sentence']}",
     ]
+    if s.get("skill_on_labelled_turns"):
+        lines.append(f"  on the {s['skill_on_labelled_turns']['n']} labelled turns: "
+                     f"{s['skill_on_labelled_turns']['verdict']}")
     lines += [f"  note: {n}" for n in s.get("notes", [])]
     if s.get("paths"):
         lines.append(f"  report: {s['paths'].get('html') or s['paths'].get('md')}")
@@ -168,6 +171,9 @@ def _markdown(s: dict, plots: dict[str, Path]) -> str:
                  if rates and rates.get("recall") is not None and rates.get("false_positive_rate") is not None
                  else "none: shares are raw flags"),
              "- failure signals present: " + ", ".join(f"{k} {n}" for k, n in s["signals_present"].items()),
+             *([f"- on the {s['skill_on_labelled_turns']['n']} labelled turns: {s['skill_on_labelled_turns']['verdict']} "
+                "(surface control: a logistic regression on position and length only, cross-fitted on those turns)"]
+               if s.get("skill_on_labelled_turns") else []),
              f"- started {s['started']}, {s['seconds']:.0f} s", ""]
     for n in s.get("notes", []):
         lines.append(f"> note: {n}")

@@ -231,3 +231,32 @@ def source_only_predictions(train: Sequence, calibration: Sequence, examples: Se
                                   max_over_asking)
     scores = source_only_scores(ts, tg, [source_of(e) for e in examples])
     return [Prediction(needs_clarification=sc >= thr, confidence=sc) for sc in scores], thr
+
+
+def surface_control_predictions(train: Sequence, calibration: Sequence, examples: Sequence,
+                                max_over_asking: float | None) -> tuple[list[Prediction], dict]:
+    """The *surface control* (:mod:`clarifier.core.surface`): a logistic regression on position and length only,
+    fitted on ``train`` (per source where a source has the turns), thresholded on ``calibration`` (else ``train``)
+    by the models' own rule. With no ``train`` turns of both classes it is cross-fitted on ``examples`` themselves
+    (5 folds by conversation, the threshold on those out-of-fold scores). Returns ``(predictions, how it was
+    fitted)``."""
+    from clarifier.core.schema import source_of
+    from clarifier.core.surface import cross_fitted_scores, fit_surface_control
+    from clarifier.train.calibrate import choose_threshold
+
+    sources = [source_of(e) for e in examples]
+    if len({bool(e.needs_clarification) for e in train}) == 2:
+        ctl = fit_surface_control(train, [bool(e.needs_clarification) for e in train], [source_of(e) for e in train])
+        scores = ctl.scores(examples, sources)
+        ref, ref_name = (calibration, "calibration") if calibration else (train, "train")
+        thr, rule = choose_threshold([bool(e.needs_clarification) for e in ref],
+                                     ctl.scores(ref, [source_of(e) for e in ref]), max_over_asking)
+        info = {"fitted_on": f"the train split ({len(train)} turns)", "threshold": thr,
+                "threshold_from": f"the {ref_name} split ({rule})", **ctl.info}
+    else:
+        gold = [bool(e.needs_clarification) for e in examples]
+        scores = cross_fitted_scores(examples, gold, sources, [str(e.conversation_id) for e in examples])
+        thr, rule = choose_threshold(gold, scores, max_over_asking)
+        info = {"fitted_on": "the evaluation set itself, out of fold (5 folds by conversation; no training turns "
+                             "given)", "threshold": thr, "threshold_from": f"the same out-of-fold scores ({rule})"}
+    return [Prediction(needs_clarification=sc >= thr, confidence=sc) for sc in scores], info

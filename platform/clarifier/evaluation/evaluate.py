@@ -219,7 +219,7 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
                 "grounding_turns": list(p.grounding_turns), "valid": p.valid}
                for e, p in list(zip(examples, preds))[:20]]
     for name, uri in cfg.eval.compare.items():  # e.g. the pipeline variant, beside the joint model
-        if name in ("model", "always_ask", "never_ask", "lexical", "base_model"):
+        if name in ("model", "always_ask", "never_ask", "lexical", "base_model", SURFACE):
             raise ValueError(f"eval.compare name {name!r} is taken by a built-in row; pick another")
         other = resolve_model(uri, tracking_uri=tracking_uri)
         models[name] = row(_model_predictions(cfg, {**spec, "model_uri": uri}, other, examples, progress, bar(name)),
@@ -227,6 +227,9 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     for name in dict.fromkeys(["always_ask", "never_ask", "lexical", *cfg.eval.baselines]):
         models[name] = row(_zero_shot_predictions(cfg, meta, examples, progress, bar(name)) if name == "base_model"
                            else baseline_predictions(name, examples))
+    control_preds, control_info = surface_control_row(cfg, data, examples, progress)
+    models[SURFACE] = row(control_preds, control=control_info)
+    skill = surface_skill(examples, models["model"]["scores"], models[SURFACE]["scores"])
     report = {
         "model_uri": model_uri, "model_version": resolved.version, "data": data, "split": cfg.eval.split,
         "data_name": ed.name, "data_fingerprint": ed.fingerprint,
@@ -237,6 +240,7 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
         "notes": "base_model is the untrained base model with the same prompt, zero-shot (clarify iff "
                  "P(clarify) > P(answer)), decision only (no decoding). lexical is the rule-based heuristic "
                  "of clarifier.evaluation.baselines (pronoun/short query + 2+ candidate entities in the history).",
+        "skill": skill,
         "models": models, "samples": samples, "n_mistakes": len(mistakes), "mistakes": mistakes[:MAX_MISTAKES],
     }
     out = Path(out_dir) if out_dir else default_report_folder(cfg)
@@ -247,10 +251,47 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
         by_source = format_source_table(report)
         if by_source:
             progress("By source (model):\n" + by_source)
+    progress(f"[eval] {skill['verdict']}")
     if run_id:
         _log_to_mlflow(run_id, report, out, tracking_uri)
     report["paths"] = {k: str(v) for k, v in paths.items()}
     return report
+
+
+SURFACE = "surface_control"
+
+
+def surface_control_row(cfg: ClarifierConfig, data: str, examples: list[Example], progress=print):
+    """The surface control's row (:func:`clarifier.evaluation.baselines.surface_control_predictions`): fitted on the
+    train split of ``data`` when it is a data-job output that has one (threshold on ``eval.calibration_split``), else
+    cross-fitted on the evaluation set itself. Returns ``(predictions, how it was fitted)``."""
+    from clarifier.data.outputs import load_split, read_manifest
+    from clarifier.evaluation.baselines import surface_control_predictions
+    from clarifier.runtime import storage
+
+    path = resolve_eval_set(data)
+    train: list[Example] = []
+    cal: list[Example] = []
+    if storage.exists(storage.join(path, "manifest.json")) and cfg.eval.split != "train":
+        splits = (read_manifest(path).get("counts") or {}).get("splits") or {}
+        if "train" in splits:
+            train = load_split(path, "train")
+            cs = cfg.eval.calibration_split
+            cal = load_split(path, cs) if cs and cs in splits and cs != cfg.eval.split else []
+    preds, info = surface_control_predictions(train, cal, examples, cfg.eval.max_over_asking)
+    progress(f"[eval] surface control (position and length only): fitted on {info['fitted_on']}")
+    return preds, info
+
+
+def surface_skill(examples: list[Example], model_scores: list[float], control_scores: list[float]) -> dict:
+    """The model's margin over the surface control (:func:`clarifier.core.surface.skill_over_control`): inside each
+    source and their mean where the set has more than one source, else on the whole set."""
+    from clarifier.core.schema import source_of
+    from clarifier.core.surface import skill_over_control
+
+    sources = [source_of(e) for e in examples]
+    return skill_over_control([bool(e.needs_clarification) for e in examples], model_scores, control_scores,
+                              sources if len(set(sources)) > 1 else None)
 
 
 def default_report_folder(cfg: ClarifierConfig) -> Path:
@@ -345,7 +386,15 @@ def _log_to_mlflow(run_id: str, report: dict, out: Path, tracking_uri: str | Non
         for name, m in report["models"].items():
             prefix = "eval" if name == "model" else f"eval_baseline/{name}"
             metrics.update(_flat_metrics(prefix, m["metrics"]))
+        skill = report.get("skill") or {}
+        for key in ("within_source", "mixed"):  # the margin over the surface control, and its interval
+            f = skill.get(key) or {}
+            if f.get("skill") is not None:
+                metrics[f"eval/skill/{key}"] = f["skill"]
+                if f.get("interval"):
+                    metrics[f"eval/skill/{key}_lo"], metrics[f"eval/skill/{key}_hi"] = f["interval"]
         mlflow.log_metrics(metrics)
         mlflow.set_tags({"eval.data": report.get("data_name", ""), "eval.data_fingerprint": report.get("data_fingerprint", ""),
-                         "eval.precision": report.get("precision", "")})
+                         "eval.precision": report.get("precision", ""),
+                         "eval.beats_surface_control": str(bool(skill.get("beats_control"))).lower()})
         mlflow.log_artifacts(str(out), artifact_path="eval")

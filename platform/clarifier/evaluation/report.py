@@ -74,7 +74,8 @@ def _models(report: dict) -> dict[str, dict]:
 
 # Rows whose name alone would mislead: clarifier eval's zero-shot row decides at P(clarify) > 0.5,
 # unlike the recipe benchmark's zero-shot rows, whose threshold is calibrated on dev.
-ROW_LABELS = {"base_model": "base_model (zero-shot, threshold 0.5, uncalibrated)"}
+ROW_LABELS = {"base_model": "base_model (zero-shot, threshold 0.5, uncalibrated)",
+              "surface_control": "surface_control (position and length only)"}
 
 
 def _rows(report: dict) -> tuple[list[str], list[list[str]]]:
@@ -277,7 +278,8 @@ def _plot(report: dict, out_dir: Path) -> dict[str, Path]:
 
 def _markdown(report: dict, plots: dict[str, Path]) -> str:
     out = ["# Clarifier evaluation report", ""]
-    info = {k: v for k, v in report.items() if k not in ("models", "mistakes")}
+    out += _skill_markdown(report.get("skill"))
+    info = {k: v for k, v in report.items() if k not in ("models", "mistakes", "skill")}
     for k, v in info.items():
         if isinstance(v, (dict, list)):
             v = json.dumps(v, default=_default)
@@ -310,6 +312,26 @@ def _markdown(report: dict, plots: dict[str, Path]) -> str:
         for key, path in plots.items():
             out += [f"## {titles[key]}", "", f"![{titles[key]}]({path.name})", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _skill_markdown(skill: dict | None) -> list[str]:
+    """The headline: the model's AUROC minus the surface control's (position and length only), with its interval."""
+    if not skill:
+        return []
+    rows = []
+    for key, what in (("within_source", "mean within-source AUROC"), ("mixed", "AUROC on the whole set")):
+        f = skill.get(key)
+        if f:
+            iv = f.get("interval")
+            rows.append([what, fmt_metric(f.get("model_auroc")), fmt_metric(f.get("control_auroc")),
+                         "n/a" if f.get("skill") is None else f"{f['skill']:+.3f}",
+                         f"[{iv[0]:+.3f}, {iv[1]:+.3f}]" if iv else "n/a"])
+    level = int(round(100 * skill.get("level", 0.95)))
+    return ["## Skill over the surface control", "", f"**{skill['verdict']}.**", "",
+            _md(["", "model", "surface control", "skill", f"{level}% paired bootstrap"], rows), "",
+            "The surface control is a logistic regression on position and length only (turn index, history "
+            "length in turns and characters, query and passage lengths, punctuation), fitted on the same training "
+            "turns (row `surface_control` below says how): the model's skill is its margin over it.", ""]
 
 
 def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:

@@ -96,6 +96,9 @@ class BenchmarkPlan(_Strict):
                                           "only): what the head reads without any fine-tuning.")
     source_only: bool = Field(True, description="Add the source-only control row (scores a turn by its source's clarify "
                                                 "share in the train split) and the control on the training mix.")
+    surface_control: bool = Field(True, description="Add the surface control row (a logistic regression on position "
+                                                    "and length only, fitted on the train split: "
+                                                    "clarifier.core.surface) and every row's skill over it.")
 
 
 def plan_path(name_or_path: str) -> Path:
@@ -417,8 +420,8 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
             add_row(name, "rule", baseline_predictions(name, examples))
     # The train and calibration splits as examples, read once for the rows fitted or calibrated in this process.
     calibration = base.eval.calibration_split
-    need_splits = (plan.source_only or bool(plan.encoders) or bool(plan.probes) or bool(plan.zero_shot)
-                   or plan.decision_token_rows)
+    need_splits = (plan.source_only or plan.surface_control or bool(plan.encoders) or bool(plan.probes)
+                   or bool(plan.zero_shot) or plan.decision_token_rows)
     train_split = load_split(base.data.output, "train") if need_splits else []
     dev_split = load_split(base.data.output, calibration) if need_splits and calibration else []
     train_mix = {}
@@ -433,6 +436,12 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
             progress(f"[recipe] training mix ({base.train.balance}): source-only control AUROC "
                      f"{train_mix['source_only_auroc']} (natural mix {train_mix['source_only_auroc_natural']})")
             add_row("source_only", "control", preds, threshold=thr)
+    if plan.surface_control:
+        with clock.stage("surface control"):
+            from clarifier.evaluation.baselines import surface_control_predictions
+
+            preds, info = surface_control_predictions(train_split, dev_split, examples, base.eval.max_over_asking)
+            add_row("surface_control", "control", preds, **info)
     for name, model in plan.zero_shot.items():
         with clock.stage(f"zero-shot {name} ({model})"):
             preds, info = _predict_zero_shot(model, dev_split, examples, base, progress)
@@ -475,6 +484,16 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
                for name, preds in preds_of.items()},
         reference=next((n for n in plan.variants if n in preds_of), None), seed=plan.seed,  # the recipe as shipped
         sources=[source_of(e) for e in examples])
+
+    skill = {}
+    if "surface_control" in preds_of:  # every trained, probe and encoder row's margin over position and length
+        from clarifier.core.surface import skill_over_control
+
+        for name, r in rows.items():
+            if r["kind"] in ("trained", "tokens", "probe", "encoder", "zero-shot"):
+                skill[name] = skill_over_control(gold, r["scores"], rows["surface_control"]["scores"],
+                                                 [source_of(e) for e in examples], model=name, seed=plan.seed)
+                progress(f"[recipe] {skill[name]['verdict']}")
 
     loo: dict[str, dict] = {}
     for src in plan.leave_one_out.sources:
@@ -541,6 +560,7 @@ def _run(plan: BenchmarkPlan, benchmark: str, workdir: Path, clock: _Clock, prog
         "train_mix": train_mix,
         "rows": rows,
         "uncertainty": uncertainty,
+        "skill_over_surface_control": skill,
         "leave_one_out": loo,
         "error_analysis": errors,
     }

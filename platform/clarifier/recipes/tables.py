@@ -346,6 +346,26 @@ def headline(result: dict) -> list[str]:
     return out
 
 
+def skill_lines(result: dict) -> list[str]:
+    """Each scored row's margin over the surface control (position and length only), first: its skill."""
+    skill = result.get("skill_over_surface_control") or {}
+    if not skill:
+        return []
+    rows = []
+    for name, s in skill.items():
+        f = s.get(s.get("headline", "within_source")) or {}
+        iv = f.get("interval")
+        rows.append(f"| {name} | {fmt(f.get('model_auroc'))} | {fmt(f.get('control_auroc'))} | "
+                    f"{'n/a' if f.get('skill') is None else format(f['skill'], '+.3f')} | "
+                    f"{f'[{iv[0]:+.3f}, {iv[1]:+.3f}]' if iv else 'n/a'} | {'yes' if s.get('beats_control') else '**no**'} |")
+    return ["## Skill over the surface control", "",
+            "Mean within-source AUROC of each row minus the surface control's (a logistic regression on position and "
+            "length only, fitted on the train split), with the paired bootstrap interval: a row whose interval "
+            "reaches 0 shows no skill beyond where turns sit and how long they are.", "",
+            "| row | mean within-source AUROC | surface control | skill | 95% interval | beats it |",
+            "|---|---:|---:|---:|---|---|", *rows, ""]
+
+
 def markdown(result: dict) -> str:
     m = result.get("machine", {})
     plan = str(result.get("benchmark", "")).removeprefix("recipe-") or result["plan"]["recipe"]
@@ -358,7 +378,7 @@ def markdown(result: dict) -> str:
              + (f", {result['eval_set']['clarify_share']:.0%} of them needing clarification where the split has enough"
                 if result["eval_set"].get("clarify_share") else "") + ": "
              + ", ".join(f"{s} {v['n']} ({v['clarify']} clarify)" for s, v in result["eval_set"]["by_source"].items()) + ".",
-             "", *headline(result),
+             "", *headline(result), *skill_lines(result),
              "## Mixed evaluation set: all rows, all sources together", "",
              "These figures mix sources whose share of turns needing a question differs widely; the source-only "
              "control row shows how much of them knowing the source alone reaches.", "", *main_table(result), "",

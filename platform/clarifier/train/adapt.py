@@ -11,9 +11,12 @@ the labelled turns: ``head``, the model's own head moved towards the labels (a p
 weights, so few labels adjust it and many can override it), and ``scratch``, a head on the labels alone. The one
 with the better out-of-fold AUROC is kept (or the one asked for), its threshold chosen on its out-of-fold scores by
 the product's rule (best recall asking about at most ``max_over_asking`` of clear turns). The model's decision
-before adapting is scored on the same turns (no fitting), so the report says what the labels bought. Every
-figure is measured on the turns the head learns from, out of fold: an estimate, to be confirmed with
-``clarifier eval`` on turns kept apart.
+before adapting is scored on the same turns (no fitting), so the report says what the labels bought.
+
+The kept head's out-of-fold figures chose its strength (and the head) on the same folds they score, so they are
+optimistic; the figure to quote is the *estimate* (:func:`honest_estimate`): nested cross-validation by
+conversation, every choice made again inside each fold, beside the surface control (position and length only)
+cross-fitted on the same folds and the margin over it. Confirm on turns kept apart with ``clarifier eval``.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
     from clarifier.engine.loading import load_engine, resolve_model
     from clarifier.engine.pipeline import is_pipeline_folder
     from clarifier.train.calibrate import choose_threshold
-    from clarifier.train.decision_head import LocalFeatures, RayFeatures, fit_on_labels, fitted_head
+    from clarifier.train.decision_head import LocalFeatures, RayFeatures, fitted_head
 
     if start not in STARTS:
         raise AdaptError(f"start {start!r}: one of {', '.join(STARTS)}")
@@ -100,35 +103,29 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
               "auroc": auroc(list(y), before_scores), "threshold": threshold,
               "at_threshold": _at(y, before_scores, threshold)}
 
-    # "shipped": the decision as it is, only its threshold set on these turns (nothing fitted: its AUROC is as fair
-    # as the others' out-of-fold figures); kept when neither fitted head ranks the turns better
-    fits = {"shipped": {"c": None, "cv_auroc": before["auroc"], "oof": before_scores, "tried": []}}
-    prior_ok = head is not None and head.clip is None
-    if start in ("auto", "head"):
-        if prior_ok:
-            fits["head"] = fit_on_labels(x, y, (head.weight.double().numpy(), head.bias), seed=seed)
-        elif start == "head":
-            raise AdaptError("start 'head': the model has no unclipped decision head to start from "
-                             + ("(its head clips its features)" if head is not None else "(it decides by its tokens)")
-                             + "; use start 'scratch'")
-    if start in ("auto", "scratch"):
-        fits["scratch"] = fit_on_labels(x, y, seed=seed)
+    prior = None
+    if head is not None and head.clip is None:
+        prior = (head.weight.double().numpy(), head.bias)
+    elif start == "head":
+        raise AdaptError("start 'head': the model has no unclipped decision head to start from "
+                         + ("(its head clips its features)" if head is not None else "(it decides by its tokens)")
+                         + "; use start 'scratch'")
+    fits, kept = select_head(x, y, before_scores, prior, start, seed)
     for name, f in fits.items():
         if name != "shipped":
             progress(f"[adapt] {name}: C={f['c']:g}, out-of-fold AUROC {f['cv_auroc']:.3f}")
-    if start == "auto":
-        kept = max(fits, key=lambda k: (fits[k]["cv_auroc"] or 0.0, k == "shipped"))  # a tie keeps it as shipped
-    else:
-        kept = start
     fit = fits[kept]
     thr, rule = choose_threshold(list(y), fit["oof"], max_over_asking)
     at = _at(y, fit["oof"], thr)
+    progress("[adapt] the honest estimate: the whole choice (head, strength) made again inside each of 5 folds by "
+             "conversation, scored on the fold it never saw; and the surface control on the same folds")
+    estimate = honest_estimate(examples, x, y, before_scores, prior, start, seed, max_over_asking)
     summary = {
         "data": data_name, "data_fingerprint": data_fingerprint, "n": len(examples), "clarify": n_pos,
         "kept": kept, "start": start, "before": before,
         "heads": {k: {"c": f["c"], "cv_auroc": f["cv_auroc"], "tried": f["tried"]} for k, f in fits.items()
                   if k != "shipped"},
-        "threshold": thr, "rule": rule, "at_threshold": at,
+        "threshold": thr, "rule": rule, "at_threshold": at, "estimate": estimate,
         "from": str(model_uri), "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0, 1),
     }
 
@@ -147,6 +144,66 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
         "fn": at["fn"], "tn": at["tn"], "fp": at["fp"], "rule": rule}))
     (dst / "adapt.json").write_text(json.dumps(summary, indent=2) + "\n")
     return {**summary, "folder": str(dst)}
+
+
+def select_head(x, y, before_scores, prior, start: str, seed: int) -> tuple[dict, str]:
+    """The candidates fitted on labelled turns ``x``/``y`` and the one kept: ``shipped`` (the decision as it is, only
+    its threshold set: nothing fitted, so its AUROC is as fair as the others' out-of-fold figures), ``head`` (the
+    model's head moved to the labels; needs ``prior``) and ``scratch`` (a head on the labels alone), each with its
+    strength chosen by cross-validation; ``auto`` keeps the best out-of-fold AUROC (a tie keeps it as shipped)."""
+    from clarifier.core.metrics import auroc
+    from clarifier.train.decision_head import fit_on_labels
+
+    fits = {"shipped": {"c": None, "cv_auroc": auroc(list(y), list(before_scores)), "oof": list(before_scores),
+                        "tried": []}}
+    if start in ("auto", "head") and prior is not None:
+        fits["head"] = fit_on_labels(x, y, prior, seed=seed)
+    if start in ("auto", "scratch"):
+        fits["scratch"] = fit_on_labels(x, y, seed=seed)
+    if start == "auto":
+        return fits, max(fits, key=lambda k: (fits[k]["cv_auroc"] or 0.0, k == "shipped"))
+    return fits, start
+
+
+def honest_estimate(examples: list, x, y, before_scores, prior, start: str, seed: int,
+                    max_over_asking: float | None, folds: int = 5) -> dict:
+    """What the adapted model will score on turns like these that it never saw: nested cross-validation, the whole
+    of :func:`select_head` (which head, which strength) run again on each outer fold's other turns, folds split by
+    conversation; the fold's scores come from a fit that never saw the fold. (The out-of-fold figures of the kept
+    head chose its strength on the same folds they score: optimistic.) Beside it the surface control
+    (:mod:`clarifier.core.surface`: position and length only) cross-fitted on the same folds, and the margin over
+    it with its paired bootstrap interval."""
+    import numpy as np
+    from sklearn.model_selection import StratifiedGroupKFold
+
+    from clarifier.core.metrics import auroc, operating_point_at_over_asking
+    from clarifier.core.schema import source_of
+    from clarifier.core.surface import fit_surface_control, skill_over_control
+    from clarifier.train.decision_head import head_scores
+
+    y = np.asarray(y, dtype=bool)
+    groups = [str(getattr(e, "conversation_id", None) or e.id) for e in examples]
+    sources = [source_of(e) for e in examples]
+    k = min(folds, int(y.sum()), int((~y).sum()))
+    nested = np.zeros(len(y))
+    control = np.zeros(len(y))
+    before = np.asarray(before_scores, dtype=float)
+    for tr, te in StratifiedGroupKFold(n_splits=k, shuffle=True, random_state=seed).split(x, y, groups):
+        if len(set(y[tr].tolist())) < 2 or min(int(y[tr].sum()), int((~y[tr]).sum())) < 2:
+            nested[te] = before[te]  # too few of a class to fit on: the decision as it is
+        else:
+            fits, kept = select_head(x[tr], y[tr], before[tr], prior, start, seed)
+            nested[te] = before[te] if kept == "shipped" else head_scores(fits[kept], x[te])
+        ctl = fit_surface_control([examples[i] for i in tr], list(y[tr]), [sources[i] for i in tr], seed=seed)
+        control[te] = ctl.scores([examples[i] for i in te], [sources[i] for i in te])
+    gold = [bool(v) for v in y]
+    budget = 0.1 if max_over_asking is None else max_over_asking
+    op = operating_point_at_over_asking(gold, list(nested), budget)
+    skill = skill_over_control(gold, list(nested), list(control), sources if len(set(sources)) > 1 else None,
+                               model="the adapted model", seed=seed)
+    return {"method": f"nested cross-validation, {k} folds by conversation", "auroc": auroc(gold, list(nested)),
+            "budget": budget, "recall_at_budget": op["recall"] if op else None, "f1_at_budget": op["f1"] if op else None,
+            "surface_control_auroc": auroc(gold, list(control)), "skill": skill}
 
 
 def log_adapted(folder: str | Path, summary: dict, experiment: str, tracking_uri: str | None = None) -> str:
@@ -168,7 +225,10 @@ def log_adapted(folder: str | Path, summary: dict, experiment: str, tracking_uri
                          "clarifier.data_fingerprint": summary["data_fingerprint"]})
         mlflow.log_params({"adapt.kept": summary["kept"], "adapt.start": summary["start"], "adapt.n": summary["n"],
                            "adapt.clarify": summary["clarify"], "adapt.threshold_rule": summary["rule"]})
+        est = summary.get("estimate") or {}
         metrics = {"adapt/threshold": summary["threshold"], "adapt/before_auroc": summary["before"]["auroc"],
+                   "adapt/estimate_auroc": est.get("auroc"), "adapt/surface_control_auroc": est.get("surface_control_auroc"),
+                   "adapt/estimate_recall_at_budget": est.get("recall_at_budget"),
                    **{f"adapt/{k}_cv_auroc": h["cv_auroc"] for k, h in summary["heads"].items()},
                    **{f"adapt/kept_{k}": v for k, v in summary["at_threshold"].items()
                       if k in ("recall", "precision", "f1", "over_asking_rate")}}
