@@ -86,23 +86,10 @@ def geometry_features(encoder, examples, batch: int = 64, progress=print) -> lis
 
 
 def fit_rows(train_x, train_y, train_src, x, src, seed: int):
-    """Scores of ``x`` by a regression fitted on ``train_x`` (per source where it has the turns, else pooled):
-    the same procedure as the surface control's."""
-    import numpy as np
+    """Scores of ``x`` by a regression fitted on ``train_x``: the surface control's procedure on other features."""
+    from clarifier.core.surface import fit_features
 
-    from clarifier.core.surface import _fit_one, _predict
-
-    train_x, x = np.asarray(train_x, float), np.asarray(x, float)
-    y = np.asarray(train_y, int)
-    pooled, _ = _fit_one(train_x, y, seed, (0.01, 0.1, 1.0, 10.0))
-    out = _predict(pooled, x)
-    for s in sorted(set(src)):
-        tidx = [i for i, t in enumerate(train_src) if t == s]
-        if min(int(y[tidx].sum()), int(len(tidx) - y[tidx].sum())) >= 10:
-            fit, _ = _fit_one(train_x[tidx], y[tidx], seed, (0.01, 0.1, 1.0, 10.0))
-            idx = [i for i, t in enumerate(src) if t == s]
-            out[idx] = _predict(fit, x[idx])
-    return [float(v) for v in out]
+    return fit_features(train_x, train_y, train_src, seed=seed).scores_of(x, src)
 
 
 def main() -> None:

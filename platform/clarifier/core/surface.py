@@ -60,11 +60,15 @@ class SurfaceControl:
 
     def scores(self, examples: Sequence, sources: Sequence[str] | None = None) -> list[float]:
         """P(clarify) of each turn by the control: its source's own fit where there is one, else the pooled fit."""
+        return self.scores_of([surface_features(e) for e in examples], sources)
+
+    def scores_of(self, features: Sequence[Sequence[float]], sources: Sequence[str] | None = None) -> list[float]:
+        """:meth:`scores` of turns given by their feature rows (those the fit was given)."""
         import numpy as np
 
-        if not examples:
+        if not len(features):
             return []
-        x = np.array([surface_features(e) for e in examples], dtype=float)
+        x = np.asarray(features, dtype=float)
         out = _predict(self.pooled, x)
         if sources is not None and self.by_source:
             for src, fit in self.by_source.items():
@@ -110,14 +114,24 @@ def fit_surface_control(examples: Sequence, gold: Sequence[bool], sources: Seque
                         seed: int = 0, min_per_class: int = 10, c_grid: Sequence[float] = C_GRID) -> SurfaceControl:
     """Fit the control on ``examples`` with labels ``gold`` (and, with ``sources``, a fit per source that has at
     least ``min_per_class`` turns of each class)."""
-    import numpy as np
-
     if len(examples) != len(gold):
         raise ValueError(f"{len(examples)} examples but {len(gold)} labels")
-    x = np.array([surface_features(e) for e in examples], dtype=float).reshape(len(examples), len(FEATURES))
+    ctl = fit_features([surface_features(e) for e in examples], gold, sources, seed=seed,
+                       min_per_class=min_per_class, c_grid=c_grid)
+    ctl.info["features"] = list(FEATURES)
+    return ctl
+
+
+def fit_features(features: Sequence[Sequence[float]], gold: Sequence[bool], sources: Sequence[str] | None = None, *,
+                 seed: int = 0, min_per_class: int = 10, c_grid: Sequence[float] = C_GRID) -> SurfaceControl:
+    """The control's procedure on any feature rows (a benchmark tries other features the same way): standardised
+    features, a logistic regression with its strength cross-validated, pooled and per source."""
+    import numpy as np
+
+    x = np.asarray(features, dtype=float).reshape(len(gold), -1)
     y = np.array([bool(g) for g in gold], dtype=int)
     pooled, c = _fit_one(x, y, seed, c_grid)
-    info: dict = {"features": list(FEATURES), "n": int(len(y)), "clarify": int(y.sum()), "pooled_c": c,
+    info: dict = {"n": int(len(y)), "clarify": int(y.sum()), "pooled_c": c,
                   "per_source": {}}
     by: dict[str, Any] = {}
     if sources is not None:

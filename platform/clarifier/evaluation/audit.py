@@ -109,8 +109,9 @@ def _position(p: int) -> str:
 
 
 def labelled_rows(batch: pa.Table) -> pa.Table:
-    """The labelled turns of a batch: ``score``, ``gold``, ``bucket`` (a few per cent of the logs)."""
-    t = batch.select(["score", "gold", "bucket"])
+    """The labelled turns of a batch (a few per cent of the logs): ``score``, ``gold``, ``bucket`` and the
+    ``turn_json`` the surface control reads."""
+    t = batch.select(["score", "gold", "bucket", "turn_json"])
     return t.filter(pa.compute.is_valid(t.column("gold")))
 
 
@@ -184,20 +185,13 @@ def default_model_uri(cfg: ClarifierConfig) -> str:
                      "runs:/..., s3://...), or run `clarifier quickstart` first (its model is the default)")
 
 
-def labelled_turns(batch: pa.Table) -> pa.Table:
-    """The labelled turns of a batch with what the surface control reads: ``score``, ``gold``, ``turn_json``."""
-    t = batch.select(["score", "gold", "turn_json"])
-    return t.filter(pa.compute.is_valid(t.column("gold")))
-
-
-def labelled_skill(written, min_labelled: int, notes: list[str], progress) -> dict | None:
-    """On the logs' own labelled turns: the model's AUROC against the surface control's (position and length only,
-    cross-fitted on those turns by conversation), with the paired bootstrap interval of the margin
+def labelled_skill(rows: list[dict], min_labelled: int, notes: list[str], progress) -> dict | None:
+    """On the logs' own labelled turns (``rows`` of :func:`labelled_rows`): the model's AUROC against the surface
+    control's (position and length only, cross-fitted on those turns by conversation), with the paired bootstrap interval of the margin
     (:func:`clarifier.core.surface.skill_over_control`); None with fewer than ``min_labelled`` of each class."""
     from clarifier.core.schema import Example
     from clarifier.core.surface import cross_fitted_scores, skill_over_control
 
-    rows = written.map_batches(labelled_turns, batch_format="pyarrow", num_cpus=0).take_all()
     gold = [bool(r["gold"]) for r in rows]
     if min(sum(gold), len(gold) - sum(gold)) < min_labelled:
         return None
@@ -212,7 +206,8 @@ def labelled_skill(written, min_labelled: int, notes: list[str], progress) -> di
     return skill
 
 
-def _estimation_threshold(cfg: ClarifierConfig, meta, written, notes: list[str], progress) -> tuple[dict, ErrorRates | None]:
+def _estimation_threshold(cfg: ClarifierConfig, meta, rows: list[dict], notes: list[str],
+                          progress) -> tuple[dict, ErrorRates | None]:
     """The threshold the shares are estimated at (``audit.threshold``) and, when it was chosen on the
     labelled turns, the error rates measured on the other half of them: ``({"value": None | float,
     "mode", ...}, rates or None)``; value None = the model's own decisions."""
@@ -230,7 +225,6 @@ def _estimation_threshold(cfg: ClarifierConfig, meta, written, notes: list[str],
                              f"(audit.error_rates=auto or labels), not {a.error_rates!r}: those were measured at the "
                              "model's threshold")
         return model, None
-    rows = written.map_batches(labelled_rows, batch_format="pyarrow", num_cpus=0).take_all()
     score = np.array([r["score"] for r in rows], dtype=float)
     gold = np.array([bool(r["gold"]) for r in rows])
     half_a = np.array([int(r["bucket"]) % 2 == 0 for r in rows], dtype=bool)
@@ -540,8 +534,9 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
     if a.reuse_scores:
         notes.append(f"the scores were reused from an earlier run of this audit ({storage.join(a.output, SCORES)}); "
                      "the turns were not scored again")
-    est_threshold, chosen_rates = _estimation_threshold(cfg, meta, written, notes, progress)
-    skill = labelled_skill(written, a.min_labelled, notes, progress)
+    labelled = written.map_batches(labelled_rows, batch_format="pyarrow", num_cpus=0).take_all()  # read once
+    est_threshold, chosen_rates = _estimation_threshold(cfg, meta, labelled, notes, progress)
+    skill = labelled_skill(labelled, a.min_labelled, notes, progress)
     agg_cols = ["bucket", "failed", "flagged", "user_position", "answered", "n_passages", *SIGNALS, "feedback_unknown",
                 "gold", "score", *seg_cols]
     rows = (written.select_columns(agg_cols)

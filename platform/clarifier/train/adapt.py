@@ -178,7 +178,7 @@ def honest_estimate(examples: list, x, y, before_scores, prior, start: str, seed
 
     from clarifier.core.metrics import auroc, operating_point_at_over_asking
     from clarifier.core.schema import source_of
-    from clarifier.core.surface import fit_surface_control, skill_over_control
+    from clarifier.core.surface import cross_fitted_scores, skill_over_control
     from clarifier.train.decision_head import head_scores
 
     y = np.asarray(y, dtype=bool)
@@ -186,7 +186,6 @@ def honest_estimate(examples: list, x, y, before_scores, prior, start: str, seed
     sources = [source_of(e) for e in examples]
     k = min(folds, int(y.sum()), int((~y).sum()))
     nested = np.zeros(len(y))
-    control = np.zeros(len(y))
     before = np.asarray(before_scores, dtype=float)
     for tr, te in StratifiedGroupKFold(n_splits=k, shuffle=True, random_state=seed).split(x, y, groups):
         if len(set(y[tr].tolist())) < 2 or min(int(y[tr].sum()), int((~y[tr]).sum())) < 2:
@@ -194,9 +193,9 @@ def honest_estimate(examples: list, x, y, before_scores, prior, start: str, seed
         else:
             fits, kept = select_head(x[tr], y[tr], before[tr], prior, start, seed)
             nested[te] = before[te] if kept == "shipped" else head_scores(fits[kept], x[te])
-        ctl = fit_surface_control([examples[i] for i in tr], list(y[tr]), [sources[i] for i in tr], seed=seed)
-        control[te] = ctl.scores([examples[i] for i in te], [sources[i] for i in te])
     gold = [bool(v) for v in y]
+    # the same folds: StratifiedGroupKFold with this seed, labels and groups splits alike whatever the features
+    control = cross_fitted_scores(examples, gold, sources, groups, folds=k, seed=seed)
     budget = 0.1 if max_over_asking is None else max_over_asking
     op = operating_point_at_over_asking(gold, list(nested), budget)
     skill = skill_over_control(gold, list(nested), list(control), sources if len(set(sources)) > 1 else None,
