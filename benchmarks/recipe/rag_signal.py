@@ -107,8 +107,6 @@ def main() -> None:
     a = ap.parse_args()
     result_file("recipe-rag-signal", a.out)
 
-    import numpy as np
-
     from clarifier.core.metrics import paired_bootstrap, within_source_summary
     from clarifier.core.schema import source_of
     from clarifier.core.surface import fit_surface_control, skill_over_control
