@@ -506,6 +506,10 @@ def _print_adapted(res: dict) -> None:
         won = est["skill"]["beats_control"]
         line = f"[adapt] {est['skill']['verdict']}"
         console.print(line if won else f"[yellow]{escape(line)}[/yellow]", markup=not won, highlight=False)
+        if est.get("retriever_scores"):
+            r = est["retriever_scores"]
+            _say(f"[adapt] {r['verdict']}; the score profile alone {fmt(r['profile_auroc'])} "
+                 f"({r['turns_with_scores']} of {r['turns_with_passages']} turns with passages scored)")
     _say(f"[adapt] wrote {res['folder']} (adapt.json says how). The table's figures chose the head on the turns they "
          f"score (optimistic); the estimate above did not. Confirm on turns kept apart:\n"
          f"  clarifier eval --model {res['folder']} --data HELD_OUT.jsonl\n"

@@ -177,6 +177,13 @@ def test_gate_inputs_in_the_shapes_langchain_users_have():
     assert [(t.role, t.text) for t in history] == [("user", "I have a router and a modem."),
                                                    ("assistant", "What do you need?")]
     assert query == "how do I reset it?" and [(p.id, p.text[:4]) for p in passages] == [("kb-1", "Hold"), ("1", "Unpl")]
+    # the retriever's scores, in the shapes retrievers hand them over
+    _, _, scored = gate_request({"question": "q", "documents": [
+        (Document(page_content="a", id="d1"), 0.83), Document(page_content="b", metadata={"relevance_score": 0.4}),
+        {"doc_id": "d3", "text": "c", "score": 12.5}, "d"]})
+    assert [p.score for p in scored] == [0.83, 0.4, 12.5, None]
+    with pytest.raises(ValueError, match=r"documents\[0\]\.score: the retriever's score must be a finite number"):
+        gate_request({"question": "q", "documents": [{"text": "c", "score": "high"}]})
     history, query, _ = gate_request({"question": "and the modem?", "history": [("human", "hi"), ("ai", "hello")]})
     assert query == "and the modem?" and [t.role for t in history] == ["user", "assistant"]
     with pytest.raises(ValueError, match="needs the user's question"):

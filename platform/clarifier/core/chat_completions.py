@@ -8,7 +8,7 @@ back from ``POST /v1/chat/completions``::
      "messages": [{"role": "user", "content": "I have a router and a modem"},
                   {"role": "assistant", "content": "What do you need?"},
                   {"role": "user", "content": "how do I reset it?"}],       # last: the user's query
-     "documents": [{"doc_id": "kb-1", "text": "..."}]}                      # extra_body in the openai client
+     "documents": [{"doc_id": "kb-1", "text": "...", "score": 0.82}]}       # extra_body; score optional
 
     -> {"id": "chatcmpl-...", "object": "chat.completion", "created": 1764662400, "model": "clarifier",
         "choices": [{"index": 0, "finish_reason": "stop",
@@ -50,7 +50,8 @@ MESSAGE_SCHEMA = {"type": "object", "required": ["role"], "properties": {
     "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
         "type": "object", "properties": {"type": {"type": "string"}, "text": {"type": "string"}}}}]}}}
 DOCUMENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "object", "required": ["text"], "properties": {
-    "doc_id": {"anyOf": [{"type": "string"}, {"type": "integer"}]}, "text": {"type": "string"}}}]}
+    "doc_id": {"anyOf": [{"type": "string"}, {"type": "integer"}]}, "text": {"type": "string"},
+    "score": {"type": "number", "description": "The retriever's score (optional, any scale; kept in the request log)"}}}]}
 
 
 class ChatCompletionRequest(BaseModel):
@@ -63,7 +64,7 @@ class ChatCompletionRequest(BaseModel):
     messages: list[dict[str, Any]] = Field(min_length=1, description="The conversation; the last message is the "
                                            "user's query (role user).", json_schema_extra={"items": MESSAGE_SCHEMA})
     documents: list[dict[str, Any] | str] = Field(default_factory=list, description="Retrieved passages: "
-                                                  "{doc_id, text} (the openai client sends them via extra_body).",
+                                                  "{doc_id, text, score?} (the openai client sends them via extra_body).",
                                                   json_schema_extra={"items": DOCUMENT_SCHEMA})
     model: str | None = Field(None, description="Any name: the served model answers (its id is in the response).")
     temperature: float | None = Field(None, ge=0, le=2, description="Accepted; decoding is greedy.")

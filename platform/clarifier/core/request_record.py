@@ -43,7 +43,8 @@ def request_record(req: ClarifyRequest, resp: ClarifyResponse, *, route: str, re
         query["meta"]["shadow"] = shadow
     if "passages" not in omit:
         text = "passages.text" not in omit
-        query["passages"] = [{"id": p.id, "text": p.text if text else ""} for p in req.passages]
+        query["passages"] = [{"id": p.id, "text": p.text if text else "",
+                              **({"score": p.score} if p.score is not None else {})} for p in req.passages]
     turns.append(query)
     conversation = req.conversation_id
     return {"conversation_id": conversation or f"request-{request_id}", "turns": turns,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 Role = Literal["user", "assistant", "system"]
 
@@ -43,6 +43,19 @@ class Passage(BaseModel):
 
     id: str
     text: str
+    score: float | None = Field(
+        None, allow_inf_nan=False,
+        description="The retriever's score of this passage (optional; higher is more relevant, any scale). Kept in "
+                    "the request log and data so the score profile can be measured on a team's own turns "
+                    "(clarifier.core.retrieval); the shipped decision does not read it.")
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_score(self, handler):
+        # A passage without a score serialises as before the field existed: sets keep their fingerprints.
+        out = handler(self)
+        if isinstance(out, dict) and out.get("score") is None:
+            out.pop("score", None)
+        return out
 
 
 class Example(BaseModel):

@@ -146,14 +146,18 @@ def fit_features(features: Sequence[Sequence[float]], gold: Sequence[bool], sour
 
 def cross_fitted_scores(examples: Sequence, gold: Sequence[bool], sources: Sequence[str] | None = None,
                         groups: Sequence[str] | None = None, *, folds: int = 5, seed: int = 0,
-                        min_per_class: int = 10) -> list[float]:
+                        min_per_class: int = 10, features=None) -> list[float]:
     """Out-of-fold control scores of turns that have no separate fitting turns (an evaluation set on its own, a
     user's labels): each fold scored by a control fitted on the others, folds split by ``groups`` (conversation)
-    and stratified by label where scikit-learn can."""
+    and stratified by label where scikit-learn can. ``features``: rows to fit on instead of
+    :func:`surface_features` of ``examples`` (another feature set measured the same way, on the same folds)."""
     import numpy as np
     from sklearn.model_selection import StratifiedGroupKFold
 
     n = len(examples)
+    x = [list(r) for r in features] if features is not None else [surface_features(e) for e in examples]
+    if len(x) != n:
+        raise ValueError(f"{n} examples but {len(x)} feature rows")
     y = np.array([bool(g) for g in gold], dtype=int)
     out = np.full(n, float(y.mean()) if n else 0.5)
     k = min(folds, int(min(np.bincount(y, minlength=2))) if n else 0)
@@ -163,11 +167,11 @@ def cross_fitted_scores(examples: Sequence, gold: Sequence[bool], sources: Seque
     split = StratifiedGroupKFold(n_splits=k, shuffle=True, random_state=seed).split(np.zeros(n), y, grp)
     for fit_idx, score_idx in split:
         fit_idx, score_idx = fit_idx.tolist(), score_idx.tolist()
-        ctl = fit_surface_control([examples[i] for i in fit_idx], [bool(y[i]) for i in fit_idx],
-                                  [sources[i] for i in fit_idx] if sources is not None else None,
-                                  seed=seed, min_per_class=min_per_class)
-        sc = ctl.scores([examples[i] for i in score_idx], [sources[i] for i in score_idx] if sources else None)
-        out[score_idx] = sc
+        ctl = fit_features([x[i] for i in fit_idx], [bool(y[i]) for i in fit_idx],
+                           [sources[i] for i in fit_idx] if sources is not None else None,
+                           seed=seed, min_per_class=min_per_class)
+        out[score_idx] = ctl.scores_of([x[i] for i in score_idx],
+                                       [sources[i] for i in score_idx] if sources is not None else None)
     return [float(v) for v in out]
 
 

@@ -22,7 +22,8 @@ One record (a JSONL line or a Parquet row) is one conversation, in one of three 
 ``content`` may also be a list of parts (``[{"type": "text", "text": ...}]``). A turn's passages are
 its own ``documents`` and the ``tool`` messages between it and the answer; a turn with neither gets
 ``metadata.documents`` (the conversation's). Passage objects may name their id ``doc_id`` or ``id``
-and their text ``text``, ``content`` or ``page_content``; plain-text tool output is one passage
+and their text ``text``, ``content`` or ``page_content``, with an optional retriever ``score`` (or
+``relevance_score``, a finite number, kept as the passage's ``score``); plain-text tool output is one passage
 (id = ``tool_call_id``).
 
 **The platform's conversation log** (``turns`` with ``role``/``text``; see ``clarifier.core.schema``):
@@ -112,7 +113,12 @@ def _passage(obj: Any, where: str, fallback_id: str) -> Passage:
     text = next((obj[k] for k in ("text", "content", "page_content", "snippet") if isinstance(obj.get(k), str)), None)
     if text is None:
         raise ValueError(f"{where}: a document needs a text (one of text, content, page_content, snippet)")
-    return Passage(id=str(pid) if pid is not None else fallback_id, text=text)
+    score = obj.get("score", obj.get("relevance_score"))
+    if score is not None and (isinstance(score, bool) or not isinstance(score, (int, float))
+                              or score != score or score in (float("inf"), float("-inf"))):
+        raise ValueError(f"{where}.score: the retriever's score must be a finite number, got {score!r}")
+    return Passage(id=str(pid) if pid is not None else fallback_id, text=text,
+                   score=float(score) if score is not None else None)
 
 
 def _documents(value: Any, where: str, prefix: str) -> list[Passage]:

@@ -188,7 +188,9 @@ def default_model_uri(cfg: ClarifierConfig) -> str:
 def labelled_skill(rows: list[dict], min_labelled: int, notes: list[str], progress) -> dict | None:
     """On the logs' own labelled turns (``rows`` of :func:`labelled_rows`): the model's AUROC against the surface
     control's (position and length only, cross-fitted on those turns by conversation), with the paired bootstrap interval of the margin
-    (:func:`clarifier.core.surface.skill_over_control`); None with fewer than ``min_labelled`` of each class."""
+    (:func:`clarifier.core.surface.skill_over_control`), and where their passages carry the retriever's scores what
+    those add to the model (``retriever_scores``); None with fewer than ``min_labelled`` of each class."""
+    from clarifier.core.retrieval import retriever_score_check
     from clarifier.core.schema import Example
     from clarifier.core.surface import cross_fitted_scores, skill_over_control
 
@@ -196,10 +198,15 @@ def labelled_skill(rows: list[dict], min_labelled: int, notes: list[str], progre
     if min(sum(gold), len(gold) - sum(gold)) < min_labelled:
         return None
     examples = [Example.model_validate_json(r["turn_json"]) for r in rows]
-    control = cross_fitted_scores(examples, gold, groups=[e.conversation_id for e in examples])
-    skill = skill_over_control(gold, [float(r["score"]) for r in rows], control, model="the model")
+    groups = [e.conversation_id for e in examples]
+    scores = [float(r["score"]) for r in rows]
+    control = cross_fitted_scores(examples, gold, groups=groups)
+    skill = skill_over_control(gold, scores, control, model="the model")
     skill["n"], skill["clarify"] = len(gold), sum(gold)
+    skill["retriever_scores"] = retriever_score_check(examples, gold, scores, groups=groups)
     progress(f"[audit] on the {len(gold)} labelled turns: {skill['verdict']}")
+    if skill["retriever_scores"]:
+        progress(f"[audit] on the {len(gold)} labelled turns: {skill['retriever_scores']['verdict']}")
     if not skill["beats_control"]:
         notes.append(f"on the logs' {len(gold)} labelled turns the model does not rank better than position and "
                      "length alone (the surface control): its flags may follow where turns sit and how long they are")

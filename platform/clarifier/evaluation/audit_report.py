@@ -51,6 +51,8 @@ def format_summary(s: dict) -> str:
     if s.get("skill_on_labelled_turns"):
         lines.append(f"  on the {s['skill_on_labelled_turns']['n']} labelled turns: "
                      f"{s['skill_on_labelled_turns']['verdict']}")
+        if s["skill_on_labelled_turns"].get("retriever_scores"):
+            lines.append(f"  on the same turns: {s['skill_on_labelled_turns']['retriever_scores']['verdict']}")
     lines += [f"  note: {n}" for n in s.get("notes", [])]
     if s.get("paths"):
         lines.append(f"  report: {s['paths'].get('html') or s['paths'].get('md')}")
@@ -174,6 +176,9 @@ def _markdown(s: dict, plots: dict[str, Path]) -> str:
              *([f"- on the {s['skill_on_labelled_turns']['n']} labelled turns: {s['skill_on_labelled_turns']['verdict']} "
                 "(surface control: a logistic regression on position and length only, cross-fitted on those turns)"]
                if s.get("skill_on_labelled_turns") else []),
+             *([f"- on the same turns: {s['skill_on_labelled_turns']['retriever_scores']['verdict']} (the retriever's "
+                "scores as a profile: best, top-two gap, near-top count, spread, count; cross-fitted by conversation)"]
+               if (s.get("skill_on_labelled_turns") or {}).get("retriever_scores") else []),
              f"- started {s['started']}, {s['seconds']:.0f} s", ""]
     for n in s.get("notes", []):
         lines.append(f"> note: {n}")

@@ -16,11 +16,15 @@ Clarifier's question instead of retrieving; otherwise the input goes on, unchang
 routing of your own. Input keys: ``question`` (or ``query``/``input``; when absent, the last human
 message), the conversation as ``messages`` or ``history`` (LangChain messages, ``(role, text)`` pairs,
 ``{"role", "content"|"text"}`` dicts), and optionally ``documents``/``passages`` (LangChain Documents,
-``{"doc_id"|"id", "text"|"page_content"}`` dicts or strings) already retrieved. Calls go through
+``{"doc_id"|"id", "text"|"page_content", "score"?}`` dicts, strings, or ``(Document, score)`` pairs as
+similarity_search_with_score returns them; a score in a Document's ``metadata`` as ``score`` or ``relevance_score``
+is kept too) already retrieved. Calls go through
 :class:`clarifier.client.ClarifierClient` (its retries, ``$CLARIFIER_API_KEY``).
 """
 
 from __future__ import annotations
+
+import math
 
 from collections.abc import Mapping
 from typing import Any
@@ -56,20 +60,27 @@ def _role_text(m: Any, where: str) -> tuple[str | None, str]:
 
 
 def _passage(d: Any, j: int) -> Passage:
+    score = None
+    if isinstance(d, tuple) and len(d) == 2 and isinstance(d[1], (int, float)) and not isinstance(d[1], bool):
+        d, score = d  # (Document, score), as similarity_search_with_score returns them
     if isinstance(d, str):
-        return Passage(id=str(j), text=d)
-    if isinstance(d, Mapping):
+        pid, text = j, d
+    elif isinstance(d, Mapping):
         pid = d.get("doc_id", d.get("id"))
         text = d.get("text", d.get("page_content", d.get("content")))
+        score = d.get("score", d.get("relevance_score", score))
     elif hasattr(d, "page_content"):  # a LangChain Document
         meta = getattr(d, "metadata", None) or {}
         pid = getattr(d, "id", None) or meta.get("doc_id") or meta.get("id") or meta.get("source")
         text = d.page_content
+        score = meta.get("score", meta.get("relevance_score", score))
     else:
         raise ValueError(f"documents[{j}]: expected a LangChain Document, a dict or a string, got {type(d).__name__}")
     if not isinstance(text, str):
         raise ValueError(f"documents[{j}]: no text (text, page_content or content)")
-    return Passage(id=str(pid) if pid is not None else str(j), text=text)
+    if score is not None and (isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score)):
+        raise ValueError(f"documents[{j}].score: the retriever's score must be a finite number, got {score!r}")
+    return Passage(id=str(pid) if pid is not None else str(j), text=text, score=score)
 
 
 def gate_request(inputs: Mapping[str, Any]) -> tuple[list[Turn], str, list[Passage]]:

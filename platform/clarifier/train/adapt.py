@@ -172,11 +172,13 @@ def honest_estimate(examples: list, x, y, before_scores, prior, start: str, seed
     conversation; the fold's scores come from a fit that never saw the fold. (The out-of-fold figures of the kept
     head chose its strength on the same folds they score: optimistic.) Beside it the surface control
     (:mod:`clarifier.core.surface`: position and length only) cross-fitted on the same folds, and the margin over
-    it with its paired bootstrap interval."""
+    it with its paired bootstrap interval; where the turns carry the retriever's scores, what they add to the
+    estimate's scores (:func:`clarifier.core.retrieval.retriever_score_check`, ``retriever_scores``)."""
     import numpy as np
     from sklearn.model_selection import StratifiedGroupKFold
 
     from clarifier.core.metrics import auroc, operating_point_at_over_asking
+    from clarifier.core.retrieval import retriever_score_check
     from clarifier.core.schema import source_of
     from clarifier.core.surface import cross_fitted_scores, skill_over_control
     from clarifier.train.decision_head import head_scores
@@ -200,9 +202,10 @@ def honest_estimate(examples: list, x, y, before_scores, prior, start: str, seed
     op = operating_point_at_over_asking(gold, list(nested), budget)
     skill = skill_over_control(gold, list(nested), list(control), sources if len(set(sources)) > 1 else None,
                                model="the adapted model", seed=seed)
+    retriever = retriever_score_check(examples, gold, list(nested), sources, groups, folds=k, seed=seed)
     return {"method": f"nested cross-validation, {k} folds by conversation", "auroc": auroc(gold, list(nested)),
             "budget": budget, "recall_at_budget": op["recall"] if op else None, "f1_at_budget": op["f1"] if op else None,
-            "surface_control_auroc": auroc(gold, list(control)), "skill": skill}
+            "surface_control_auroc": auroc(gold, list(control)), "skill": skill, "retriever_scores": retriever}
 
 
 def log_adapted(folder: str | Path, summary: dict, experiment: str, tracking_uri: str | None = None) -> str:
@@ -228,6 +231,7 @@ def log_adapted(folder: str | Path, summary: dict, experiment: str, tracking_uri
         metrics = {"adapt/threshold": summary["threshold"], "adapt/before_auroc": summary["before"]["auroc"],
                    "adapt/estimate_auroc": est.get("auroc"), "adapt/surface_control_auroc": est.get("surface_control_auroc"),
                    "adapt/estimate_recall_at_budget": est.get("recall_at_budget"),
+                   "adapt/retriever_scores_added_auroc": (est.get("retriever_scores") or {}).get("added"),
                    **{f"adapt/{k}_cv_auroc": h["cv_auroc"] for k, h in summary["heads"].items()},
                    **{f"adapt/kept_{k}": v for k, v in summary["at_threshold"].items()
                       if k in ("recall", "precision", "f1", "over_asking_rate")}}
