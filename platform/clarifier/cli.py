@@ -28,6 +28,8 @@ app.add_typer(data_app, name="data")
 recipe_app = typer.Typer(no_args_is_help=True, help="Named recipes (clarifier/recipes/configs/) and their comparison benchmarks (clarifier/recipes/plans/).")
 app.add_typer(models_app, name="models")
 app.add_typer(recipe_app, name="recipe")
+label_app = typer.Typer(no_args_is_help=True, help="Labels of your own: which turns of your logs to label next.")
+app.add_typer(label_app, name="label")
 console = Console(highlight=False, soft_wrap=True)  # Clarifier's own lines and results (stdout)
 err_console = Console(highlight=False, soft_wrap=True, stderr=True)  # errors and the log file's path
 
@@ -510,6 +512,17 @@ def _print_adapted(res: dict) -> None:
             r = est["retriever_scores"]
             _say(f"[adapt] {r['verdict']}; the score profile alone {fmt(r['profile_auroc'])} "
                  f"({r['turns_with_scores']} of {r['turns_with_passages']} turns with passages scored)")
+    ka = res.get("kept_apart")
+    if ka:
+        if ka.get("auroc") is None:
+            _say(f"[adapt] kept-apart slice ({ka['n']} turns): {ka.get('note', 'no figure')}")
+        else:
+            iv = ka["auroc_interval"] or [None, None]
+            _say(f"[adapt] on the queue's {ka['n']} kept-apart turns (never fitted on): AUROC {fmt(ka['auroc'])} "
+                 f"[{fmt(iv[0])}, {fmt(iv[1])}] (before adapting {fmt(ka['before_auroc'])}); at its threshold recall "
+                 f"{fmt(ka['at_threshold']['recall'])}, over-asking {fmt(ka['at_threshold']['over_asking_rate'])}, F1 "
+                 f"{fmt(ka['at_threshold']['f1'])}; surface control {fmt(ka['surface_control_auroc'])}")
+            _say(f"[adapt] kept apart: {ka['skill']['verdict']}")
     _say(f"[adapt] wrote {res['folder']} (adapt.json says how). The table's figures chose the head on the turns they "
          f"score (optimistic); the estimate above did not. Confirm on turns kept apart:\n"
          f"  clarifier eval --model {res['folder']} --data HELD_OUT.jsonl\n"
@@ -551,6 +564,75 @@ def audit(logs: Optional[str] = typer.Option(None, help="Folder, file or s3:// p
         err_console.print(f"[red]audit failed:[/red] {escape(str(exc))}")
         raise typer.Exit(1)
     _say(json.dumps({"verdict": summary["verdict"]["decision"], "report": summary["paths"].get("html")}))
+
+
+@label_app.command("select")
+def label_select(logs: str = typer.Option(..., help="Folder, file or s3:// prefix of your chat logs (any format the "
+                                          "audit reads: OpenAI transcripts, conversation logs, examples)."),
+                 out: str = typer.Option(..., help="Folder or s3:// prefix for queue.jsonl, queue.json and the scored "
+                                         "turns."),
+                 n: int = typer.Option(100, "--n", help="Turns to queue."),
+                 kept_apart: Optional[int] = typer.Option(None, help="Of them, kept apart for the honest estimate "
+                                                          "(never fitted on); default a fifth."),
+                 model: Optional[str] = typer.Option(None, help="The model whose uncertainty chooses: a folder, "
+                                                     "builtin:, models:/, runs:/, s3://; default as the audit's."),
+                 labelled: Optional[list[str]] = typer.Option(None, "--labelled", help="JSONL of turns already "
+                                                              "labelled or queued (repeatable): never queued again."),
+                 seed: int = typer.Option(0, help="The same seed, logs and model give the same queue."),
+                 encoder: Optional[str] = typer.Option(None, help="Sentence encoder for the diversity clusters (a "
+                                                       "folder or hub id; default the packaged all-MiniLM-L6-v2)."),
+                 config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Choose the turns of your logs to label next: near the model's threshold, spread over topics, plus a
+    kept-apart slice for an honest estimate. Scores every turn on Ray (audit.actors, audit.formats apply)."""
+    from clarifier.evaluation.label_queue import QueueError, select_queue
+    from clarifier.runtime import storage
+
+    cfg = _cfg(config, overrides)
+    storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
+    try:
+        summary = select_queue(cfg, logs=logs, out=out, n=n, kept_apart=kept_apart, model_uri=model,
+                               labelled=list(labelled or []), seed=seed, encoder=encoder, progress=_say)
+    except (ValueError, FileNotFoundError) as exc:
+        err_console.print(f"[red]label select error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
+    except QueueError as exc:
+        err_console.print(f"[red]label select failed:[/red] {escape(str(exc))}")
+        raise typer.Exit(1)
+    _say(f"[label] label each line of {summary['queue']}: add \"needs_clarification\": true or false (and the "
+         "question you would ask, or \"decision_only\": true), then\n"
+         f"  clarifier adapt --model {summary['model_uri']} --data LABELLED.jsonl --out ./my-clarifier")
+
+
+@label_app.command("serve")
+def label_serve(queue: Path = typer.Option(..., help="queue.jsonl written by `clarifier label select`."),
+                out: Path = typer.Option(..., help="Labels file (JSONL, appended; evaluation-set records that "
+                                         "`clarifier adapt --data` reads). Labelling resumes where it stopped."),
+                host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: reachable by others)."),
+                port: int = typer.Option(8100, help="Port of the page."),
+                labeller: Optional[str] = typer.Option(None, help="Your name in each label (default $USER)."),
+                take_over: bool = typer.Option(False, "--take-over", help="Open the labels file even though another "
+                                               "session's lock is on it (once that session has stopped).")):
+    """Label a queue in the browser: the conversation, its passages and the latest message; keys c (needs a
+    question), n (clear), s (skip). Every label is on disk before the next turn shows."""
+    import uvicorn
+
+    from clarifier.data.label_store import LabelStore, LabelStoreLocked
+    from clarifier.serving.label_page import label_app
+
+    try:
+        store = LabelStore(queue, out, labeller=labeller or "", take_over=take_over)
+    except (ValueError, FileNotFoundError, LabelStoreLocked) as exc:
+        err_console.print(f"[red]label serve error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
+    p = store.progress()
+    _say(f"[label] {p['queued']} queued turns, {p['labelled']} labelled and {p['skipped']} skipped already in {out}; "
+         f"{p['left']} left")
+    _say(f"[label] open http://{'localhost' if host in ('127.0.0.1', '0.0.0.0') else host}:{port}/ (Ctrl+C stops; "
+         "nothing acknowledged is lost)")
+    try:
+        uvicorn.run(label_app(store), host=host, port=port, log_level="warning")
+    finally:
+        store.close()
 
 
 @models_app.command("register")

@@ -17,7 +17,6 @@ anything else, and the test checks that the page loaded nothing from another ori
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -34,29 +33,12 @@ PREFIX = "/clarifier"
 MAX_HISTORY = 3
 ARTIFACTS = Path(__file__).resolve().parents[2] / ".clarifier" / "test-artifacts"
 
-CHROMIUM = os.environ.get("CLARIFIER_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = os.environ.get("CLARIFIER_CHROMEDRIVER") or shutil.which("chromedriver")
+from support.browser import headless_chrome, missing  # noqa: E402
 
-
-def _missing() -> list[str]:
-    missing = []
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        missing.append("the selenium package (pyproject's test extra: pip install -e '.[test]')")
-    if not CHROMIUM:
-        missing.append("chromium (apt-get install chromium)")
-    if not CHROMEDRIVER:
-        missing.append("chromedriver (apt-get install chromium-driver)")
-    return missing
-
-
-if _missing():
-    pytest.skip("the playground browser test needs " + "; ".join(_missing()) + " (infra/local/setup.sh installs "
+if missing():
+    pytest.skip("the playground browser test needs " + "; ".join(missing()) + " (infra/local/setup.sh installs "
                 "them)", allow_module_level=True)
 
-from selenium import webdriver  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -78,26 +60,8 @@ def server(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    out = tmp_path_factory.mktemp("chromium")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1280,1200",
-                "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--disable-sync",
-                "--disable-background-networking", "--disable-component-update", "--disable-default-apps",
-                "--disable-domain-reliability", "--no-pings", "--dns-prefetch-disable",
-                "--disable-features=Translate,OptimizationHints,MediaRouter,AutofillServerCommunication",
-                # nothing but this machine: every other host name fails to resolve
-                "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-                f"--user-data-dir={out / 'profile'}"):
-        opts.add_argument(arg)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER, log_output=str(out / "chromedriver.log")),
-                              options=opts)
-    driver.set_page_load_timeout(60)
-    try:
+    with headless_chrome(tmp_path_factory.mktemp("chromium")) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def _wait(browser, cond, timeout=120):

@@ -96,6 +96,25 @@ def test_adapting_to_a_user_whose_notion_is_the_opposite(headed_model, tmp_path)
         (headed_model / "decision_head.safetensors").read_bytes()
 
 
+def test_a_queues_kept_apart_turns_are_never_fitted_on_and_scored_at_the_end(headed_model, tmp_path):
+    from clarifier.train.adapt import adapt_head
+
+    fit = labelled_turns(30, "u", flip=True)
+    held = [e.model_copy(update={"meta": {**e.meta, "queue": {"part": "kept_apart"}}})
+            for e in labelled_turns(12, "k", flip=True)]
+    lines = []
+    res = adapt_head(str(headed_model), fit + held, tmp_path / "adapted", precision="fp32", progress=lines.append)
+    assert res["n"] == 30  # fitted on the others only
+    ka = res["kept_apart"]
+    assert ka["n"] == 12 and ka["clarify"] == 6 and ka["auroc"] > 0.9 and ka["before_auroc"] < 0.1
+    assert ka["auroc_interval"][0] <= ka["auroc"] <= ka["auroc_interval"][1]
+    assert ka["surface_control_auroc"] is not None and "at_threshold" in ka and ka["skill"]["verdict"]
+    assert any("kept-apart slice" in line for line in lines)
+    one_class = [h for h in held if h.needs_clarification][:3]
+    res = adapt_head(str(headed_model), fit + one_class, tmp_path / "again", precision="fp32", progress=lines.append)
+    assert res["kept_apart"]["auroc"] is None and "both classes are needed" in res["kept_apart"]["note"]
+
+
 def test_adapting_refuses_what_it_cannot_do(headed_model, tmp_path):
     from clarifier.train.adapt import AdaptError, adapt_head
 

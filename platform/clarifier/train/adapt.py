@@ -54,10 +54,15 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
     from clarifier.engine.loading import load_engine, resolve_model
     from clarifier.engine.pipeline import is_pipeline_folder
     from clarifier.train.calibrate import choose_threshold
-    from clarifier.train.decision_head import LocalFeatures, RayFeatures, fitted_head
+    from clarifier.train.decision_head import LocalFeatures, RayFeatures, fitted_head, head_scores
 
     if start not in STARTS:
         raise AdaptError(f"start {start!r}: one of {', '.join(STARTS)}")
+    held = [e for e in examples if is_kept_apart(e)]
+    if held:
+        examples = [e for e in examples if not is_kept_apart(e)]
+        progress(f"[adapt] {len(held)} labelled turns are a queue's kept-apart slice: never fitted on, scored at the "
+                 f"end; fitting on the other {len(examples)}")
     y = np.array([bool(e.needs_clarification) for e in examples])
     n_pos, n_neg = int(y.sum()), int((~y).sum())
     if min(n_pos, n_neg) < MIN_PER_CLASS:
@@ -120,12 +125,23 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
     progress("[adapt] the honest estimate: the whole choice (head, strength) made again inside each of 5 folds by "
              "conversation, scored on the fold it never saw; and the surface control on the same folds")
     estimate = honest_estimate(examples, x, y, before_scores, prior, start, seed, max_over_asking)
+    kept_apart = None
+    if held:
+        _, xh = features(held, layers, pooling, batch_size, "kept apart", progress)
+        if head is not None:
+            import torch
+
+            held_before = [float(v) for v in head.probability(torch.as_tensor(xh, dtype=torch.float32))]
+        else:
+            held_before = [float(v) for v in _]
+        held_scores = held_before if kept == "shipped" else [float(v) for v in head_scores(fit, xh)]
+        kept_apart = kept_apart_figures(held, held_scores, held_before, thr, examples, seed, max_over_asking)
     summary = {
         "data": data_name, "data_fingerprint": data_fingerprint, "n": len(examples), "clarify": n_pos,
         "kept": kept, "start": start, "before": before,
         "heads": {k: {"c": f["c"], "cv_auroc": f["cv_auroc"], "tried": f["tried"]} for k, f in fits.items()
                   if k != "shipped"},
-        "threshold": thr, "rule": rule, "at_threshold": at, "estimate": estimate,
+        "threshold": thr, "rule": rule, "at_threshold": at, "estimate": estimate, "kept_apart": kept_apart,
         "from": str(model_uri), "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0, 1),
     }
 
@@ -208,6 +224,43 @@ def honest_estimate(examples: list, x, y, before_scores, prior, start: str, seed
             "surface_control_auroc": auroc(gold, list(control)), "skill": skill, "retriever_scores": retriever}
 
 
+def is_kept_apart(example) -> bool:
+    """A turn a labelling queue kept apart for the honest estimate (``meta.queue.part``)."""
+    return ((getattr(example, "meta", None) or {}).get("queue") or {}).get("part") == "kept_apart"
+
+
+def kept_apart_figures(held: list, scores: list[float], before: list[float], threshold: float, fitted: list,
+                       seed: int, max_over_asking: float | None) -> dict:
+    """The adapted model on a queue's kept-apart turns (never fitted on, nor used to choose anything): AUROC with
+    its bootstrap interval, recall/F1 at the kept threshold and at the over-asking budget, the model before
+    adapting on the same turns, and the surface control fitted on the turns the head was fitted on."""
+    from clarifier.core.metrics import auroc, operating_point_at_over_asking, paired_bootstrap
+    from clarifier.core.schema import source_of
+    from clarifier.core.surface import fit_surface_control, skill_over_control
+
+    gold = [bool(e.needs_clarification) for e in held]
+    n_pos = sum(gold)
+    out: dict = {"n": len(held), "clarify": n_pos, "auroc": None}
+    if min(n_pos, len(gold) - n_pos) < 2:
+        out["note"] = (f"{n_pos} of the {len(held)} kept-apart turns need a question: both classes are needed for "
+                       "a figure; label more of the queue")
+        return out
+    budget = 0.1 if max_over_asking is None else max_over_asking
+    op = operating_point_at_over_asking(gold, scores, budget)
+    ctl = fit_surface_control(fitted, [bool(e.needs_clarification) for e in fitted],
+                              [source_of(e) for e in fitted], seed=seed)
+    control = ctl.scores(held, [source_of(e) for e in held])
+    boot = paired_bootstrap(gold, {"adapted": ([v >= threshold for v in scores], scores)},
+                            seed=seed)["systems"]["adapted"]
+    out.update({
+        "auroc": auroc(gold, scores), "auroc_interval": boot["auroc"], "f1_interval_at_threshold": boot["f1"],
+        "before_auroc": auroc(gold, before), "at_threshold": _at(gold, scores, threshold), "budget": budget,
+        "recall_at_budget": op["recall"] if op else None, "f1_at_budget": op["f1"] if op else None,
+        "surface_control_auroc": auroc(gold, control),
+        "skill": skill_over_control(gold, scores, control, model="the adapted model", seed=seed)})
+    return out
+
+
 def log_adapted(folder: str | Path, summary: dict, experiment: str, tracking_uri: str | None = None) -> str:
     """Log an adapted model folder as an MLflow run of ``experiment`` (its files as the ``adapter`` artifact, as a
     training run logs them; the labelled set, the kept head and its figures as params and metrics), so that
@@ -232,6 +285,7 @@ def log_adapted(folder: str | Path, summary: dict, experiment: str, tracking_uri
                    "adapt/estimate_auroc": est.get("auroc"), "adapt/surface_control_auroc": est.get("surface_control_auroc"),
                    "adapt/estimate_recall_at_budget": est.get("recall_at_budget"),
                    "adapt/retriever_scores_added_auroc": (est.get("retriever_scores") or {}).get("added"),
+                   "adapt/kept_apart_auroc": (summary.get("kept_apart") or {}).get("auroc"),
                    **{f"adapt/{k}_cv_auroc": h["cv_auroc"] for k, h in summary["heads"].items()},
                    **{f"adapt/kept_{k}": v for k, v in summary["at_threshold"].items()
                       if k in ("recall", "precision", "f1", "over_asking_rate")}}
