@@ -635,6 +635,48 @@ def label_serve(queue: Path = typer.Option(..., help="queue.jsonl written by `cl
         store.close()
 
 
+@label_app.command("export")
+def label_export(queue: Path = typer.Option(..., help="queue.jsonl written by `clarifier label select`."),
+                 out: Path = typer.Option(..., help="Label Studio tasks (JSON); label-config.xml is written beside it."),
+                 labels: Optional[Path] = typer.Option(None, help="A labels file whose labels become the tasks' "
+                                                       "annotations.")):
+    """Write a queue as Label Studio tasks (with the model's decision as a pre-annotation) and the labelling
+    interface to create the project with."""
+    from clarifier.data.label_studio import export_tasks
+
+    try:
+        res = export_tasks(queue, out, labels)
+    except (ValueError, FileNotFoundError) as exc:
+        err_console.print(f"[red]label export error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
+    _say(f"[label] {res['tasks']} tasks ({res['with_annotations']} with annotations) -> {res['out']}; in Label Studio "
+         f"create a project with the labelling interface in {res['label_config']}, import the tasks, label, then "
+         f"Export -> JSON and `clarifier label import`")
+
+
+@label_app.command("import")
+def label_import(export: Path = typer.Option(..., "--from", help="Label Studio's JSON export of the project."),
+                 queue: Path = typer.Option(..., help="The queue the tasks came from (queue.jsonl)."),
+                 out: Path = typer.Option(..., help="Labels file to append to (JSONL; what `clarifier adapt` reads)."),
+                 take_over: bool = typer.Option(False, "--take-over", help="Open the labels file even though another "
+                                                "session's lock is on it.")):
+    """Append Label Studio's annotations to a labels file (each turn once; a cancelled annotation is a skip)."""
+    from clarifier.data.label_store import LabelStoreLocked
+    from clarifier.data.label_studio import import_annotations
+
+    try:
+        res = import_annotations(export, queue, out, take_over=take_over)
+    except (ValueError, FileNotFoundError, LabelStoreLocked) as exc:
+        err_console.print(f"[red]label import error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2)
+    p = res["progress"]
+    _say(f"[label] {res['tasks']} tasks: {res['labelled']} labelled, {res['skipped']} skipped, {res['unannotated']} "
+         f"without an annotation, {res['already_labelled']} already in {out} (left as they were)"
+         + (f", {res['questions_on_clear_turns_ignored']} questions on turns marked Clear ignored"
+            if res["questions_on_clear_turns_ignored"] else ""))
+    _say(f"[label] {out}: {p['labelled']} labelled ({p['clarify']} need a question), {p['left']} of {p['queued']} left")
+
+
 @models_app.command("register")
 def models_register(run_id: str = typer.Option(..., help="MLflow run holding the 'adapter' artifacts."),
                     name: str = typer.Option("clarifier"), alias: Optional[str] = typer.Option(None)):

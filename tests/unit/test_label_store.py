@@ -13,20 +13,7 @@ import pytest
 
 from clarifier.core.schema import Example
 from clarifier.data.label_store import LabelConflict, LabelStore, LabelStoreLocked, read_queue
-
-
-def write_queue(path: Path, n: int = 8) -> Path:
-    lines = []
-    for i in range(n):
-        lines.append({"id": f"c{i}:2", "history": [{"role": "user", "text": "I have a router and a modem."},
-                                                   {"role": "assistant", "text": "What do you need?"}],
-                      "query": "how do I reset it?" if i % 2 else f"reset router {i}?",
-                      "passages": [{"id": "kb1", "text": "Hold the button."}],
-                      "meta": {"conversation_id": f"c{i}", "queue": {
-                          "position": i + 1, "part": "kept_apart" if i % 2 == 0 else "active",
-                          "score": 0.9 if i % 4 == 0 else 0.2 if i % 4 == 2 else 0.5, "threshold": 0.5}}})
-    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
-    return path
+from support.turns import queue_file as write_queue
 
 
 def test_labels_are_evaluation_set_records_on_disk_at_once_and_resumed(tmp_path):
