@@ -110,6 +110,10 @@ def test_a_queues_kept_apart_turns_are_never_fitted_on_and_scored_at_the_end(hea
     assert ka["auroc_interval"][0] <= ka["auroc"] <= ka["auroc_interval"][1]
     assert ka["surface_control_auroc"] is not None and "at_threshold" in ka and ka["skill"]["verdict"]
     assert any("kept-apart slice" in line for line in lines)
+    curve = res["label_curve"]  # what more labels would buy, scored on the kept-apart turns
+    assert curve["scored_on"] == "kept-apart turns" and len(curve["points"]) >= 3
+    assert curve["points"][-1]["labels"] == 30 and curve["doubling_gain"] is not None
+    assert any(line.startswith("[adapt] AUROC against labels") for line in lines)
     one_class = [h for h in held if h.needs_clarification][:3]
     res = adapt_head(str(headed_model), fit + one_class, tmp_path / "again", precision="fp32", progress=lines.append)
     assert res["kept_apart"]["auroc"] is None and "both classes are needed" in res["kept_apart"]["note"]

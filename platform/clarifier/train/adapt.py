@@ -136,12 +136,17 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
             held_before = [float(v) for v in _]
         held_scores = held_before if kept == "shipped" else [float(v) for v in head_scores(fit, xh)]
         kept_apart = kept_apart_figures(held, held_scores, held_before, thr, examples, seed, max_over_asking)
+    held_eval = (xh, [bool(e.needs_clarification) for e in held], held_before) if held else None
+    curve = label_curve(examples, x, y, before_scores, prior, start, seed, held_eval, whole=estimate["auroc"])
+    if curve.get("verdict"):
+        progress(f"[adapt] {curve['verdict']}")
     summary = {
         "data": data_name, "data_fingerprint": data_fingerprint, "n": len(examples), "clarify": n_pos,
         "kept": kept, "start": start, "before": before,
         "heads": {k: {"c": f["c"], "cv_auroc": f["cv_auroc"], "tried": f["tried"]} for k, f in fits.items()
                   if k != "shipped"},
         "threshold": thr, "rule": rule, "at_threshold": at, "estimate": estimate, "kept_apart": kept_apart,
+        "label_curve": curve,
         "from": str(model_uri), "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0, 1),
     }
 
@@ -224,6 +229,73 @@ def honest_estimate(examples: list, x, y, before_scores, prior, start: str, seed
             "surface_control_auroc": auroc(gold, list(control)), "skill": skill, "retriever_scores": retriever}
 
 
+CURVE_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # with a kept-apart slice: a head fit per point, 3 draws each
+NESTED_FRACTIONS = (1 / 3, 2 / 3, 1.0)  # without: a nested estimate per point (the whole set's is the estimate's)
+
+
+def label_curve(examples: list, x, y, before_scores, prior, start: str, seed: int, held=None,
+                whole: float | None = None, repeats: int = 3) -> dict:
+    """How the figure grows with the number of labels, and what more labels would buy: the whole choice
+    (:func:`select_head`) made on a share of the labelled conversations, scored on the kept-apart turns (``held`` =
+    their features, labels and scores before adapting; ``repeats`` seeded draws per share) or, without them, by the
+    nested estimate on one draw per share (``whole``: the estimate already made on all of them); then
+    AUROC ~ a + b ln(labels) fitted to the points, and the gain that doubling the labels would give by that fit."""
+    import math
+
+    import numpy as np
+
+    from clarifier.core.metrics import auroc
+    from clarifier.train.decision_head import head_scores
+
+    y = np.asarray(y, dtype=bool)
+    convs = sorted({str(getattr(e, "conversation_id", None) or e.id) for e in examples})
+    conv_of = [str(getattr(e, "conversation_id", None) or e.id) for e in examples]
+    before = np.asarray(before_scores, dtype=float)
+    points = []
+    fractions = CURVE_FRACTIONS if held is not None else NESTED_FRACTIONS
+    for frac in fractions:
+        vals, sizes = [], []
+        if held is None and frac >= 1 and whole is not None:
+            points.append({"labels": len(examples), "auroc": round(float(whole), 4), "draws": 1})
+            continue
+        for r in range(1 if frac >= 1 or held is None else repeats):
+            rng = np.random.default_rng(seed + 1000 * r + int(frac * 100))
+            chosen = set(convs) if frac >= 1 else set(rng.choice(convs, max(1, int(round(frac * len(convs)))),
+                                                                 replace=False).tolist())
+            idx = [i for i, c in enumerate(conv_of) if c in chosen]
+            ys = y[idx]
+            if min(int(ys.sum()), int((~ys).sum())) < MIN_PER_CLASS:
+                continue
+            if held is not None:
+                xh, gh, bh = held
+                fits, kept = select_head(x[idx], ys, before[idx], prior, start, seed)
+                sc = bh if kept == "shipped" else [float(v) for v in head_scores(fits[kept], xh)]
+                a = auroc(gh, sc)
+            else:
+                a = honest_estimate([examples[i] for i in idx], x[idx], ys, before[idx], prior, start, seed,
+                                    None)["auroc"]
+            if a is not None:
+                vals.append(a)
+                sizes.append(len(idx))
+        if vals:
+            points.append({"labels": int(round(float(np.mean(sizes)))), "auroc": round(float(np.mean(vals)), 4),
+                           "draws": len(vals)})
+    out: dict = {"scored_on": "kept-apart turns" if held is not None else "nested cross-validation",
+                 "points": points, "doubling_gain": None, "verdict": None}
+    if len(points) >= 3:
+        lx = np.log([p["labels"] for p in points])
+        b, a = np.polyfit(lx, [p["auroc"] for p in points], 1)
+        gain = float(b * math.log(2))
+        out["doubling_gain"] = round(gain, 4)
+        n = points[-1]["labels"]
+        curve = ", ".join(f"{p['labels']} labels {p['auroc']:.3f}" for p in points)
+        advice = ("label more: the curve is still rising" if gain >= 0.02 else
+                  "more labels would buy little by this curve; look at what the labels disagree on instead")
+        out["verdict"] = (f"AUROC against labels ({out['scored_on']}): {curve}; doubling to {2 * n} labels would add "
+                          f"about {gain:+.3f} by a log fit to this curve: {advice}")
+    return out
+
+
 def is_kept_apart(example) -> bool:
     """A turn a labelling queue kept apart for the honest estimate (``meta.queue.part``)."""
     return ((getattr(example, "meta", None) or {}).get("queue") or {}).get("part") == "kept_apart"
@@ -286,6 +358,7 @@ def log_adapted(folder: str | Path, summary: dict, experiment: str, tracking_uri
                    "adapt/estimate_recall_at_budget": est.get("recall_at_budget"),
                    "adapt/retriever_scores_added_auroc": (est.get("retriever_scores") or {}).get("added"),
                    "adapt/kept_apart_auroc": (summary.get("kept_apart") or {}).get("auroc"),
+                   "adapt/label_curve_doubling_gain": (summary.get("label_curve") or {}).get("doubling_gain"),
                    **{f"adapt/{k}_cv_auroc": h["cv_auroc"] for k, h in summary["heads"].items()},
                    **{f"adapt/kept_{k}": v for k, v in summary["at_threshold"].items()
                       if k in ("recall", "precision", "f1", "over_asking_rate")}}
