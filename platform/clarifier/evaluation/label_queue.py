@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Callable
 
 import pyarrow as pa
@@ -126,8 +127,6 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
     model_uri = model_uri or default_model_uri(cfg)
     resolved = resolve_model(model_uri, cache_dir=cfg.model.cache_dir, tracking_uri=tracking_uri)
     meta = read_meta(resolved.folder)
-    from pathlib import Path
-
     if Path(model_uri).is_dir():
         model_uri = str(Path(model_uri).resolve())  # actors may run in another working directory
     skip = labelled_ids(labelled)
