@@ -22,7 +22,7 @@ RESP = ClarifyResponse(needs_clarification=False, confidence=0.1, threshold=0.5,
 def test_a_passage_score_is_optional_finite_and_absent_from_json_when_not_given():
     assert Passage(id="a", text="t").model_dump_json() == '{"id":"a","text":"t"}'  # set fingerprints unchanged
     assert json.loads(Passage(id="a", text="t", score=0.8).model_dump_json())["score"] == 0.8
-    for bad in (float("nan"), float("inf"), "high"):
+    for bad in (float("nan"), float("inf"), "high", "0.8", False):  # a number, not a string or a bool
         with pytest.raises(ValidationError, match="score"):
             ClarifyRequest.model_validate({"query": "q", "passages": [{"id": "a", "text": "t", "score": bad}]})
     ex = Example.model_validate({"id": "e", "query": "q", "needs_clarification": False,

@@ -44,7 +44,7 @@ class Passage(BaseModel):
     id: str
     text: str
     score: float | None = Field(
-        None, allow_inf_nan=False,
+        None, strict=True, allow_inf_nan=False,
         description="The retriever's score of this passage (optional; higher is more relevant, any scale). Kept in "
                     "the request log and data so the score profile can be measured on a team's own turns "
                     "(clarifier.core.retrieval); the shipped decision does not read it.")
