@@ -15,7 +15,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,21 +45,6 @@ def _queue(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-def _serve(queue: Path, out: Path, port: int) -> subprocess.Popen:
-    import httpx
-
-    proc = subprocess.Popen([sys.executable, "-m", "clarifier.cli", "label", "serve", "--queue", str(queue), "--out",
-                             str(out), "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(300):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/progress", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("label serve did not start in 60 s")
-
-
 def _summary(xs: list[float]) -> dict:
     xs = sorted(xs)
     return {"n": len(xs), "p50_ms": round(statistics.median(xs) * 1000, 1),
@@ -79,7 +63,7 @@ def main() -> None:
     from selenium.webdriver.support.ui import WebDriverWait
 
     from clarifier.runtime.services import free_port
-    from support.browser import headless_chrome, missing
+    from support.browser import headless_chrome, label_server, missing
 
     if missing():
         raise SystemExit("needs " + "; ".join(missing()))
@@ -88,7 +72,7 @@ def main() -> None:
         half = a.turns // 2
         queue = _queue(tmp / "queue.jsonl", a.turns)
         port = free_port()
-        server = _serve(queue, tmp / "labels.jsonl", port)
+        server = label_server(queue, tmp / "labels.jsonl", port)
         page, api = [], []
         try:
             with headless_chrome(tmp, window="1100,1000") as browser:

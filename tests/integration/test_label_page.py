@@ -9,10 +9,8 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from clarifier.runtime.services import free_port
@@ -22,7 +20,7 @@ pytestmark = pytest.mark.integration
 ARTIFACTS = Path(__file__).resolve().parents[2] / ".clarifier" / "test-artifacts"
 CLI = [sys.executable, "-m", "clarifier.cli"]
 
-from support.browser import headless_chrome, missing  # noqa: E402
+from support.browser import headless_chrome, label_server, missing  # noqa: E402
 
 if missing():
     pytest.skip("the labelling page's browser test needs " + "; ".join(missing()) + " (infra/local/setup.sh installs "
@@ -44,19 +42,8 @@ def _queue(path: Path, n: int = 6) -> Path:
     return path
 
 
-def _serve(queue: Path, out: Path, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([*CLI, "label", "serve", "--queue", str(queue), "--out", str(out), "--port", str(port),
-                             "--labeller", "tester"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for _ in range(300):
-        if proc.poll() is not None:
-            raise AssertionError(f"label serve exited {proc.returncode}: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/progress", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("label serve did not start in 60 s")
+def _serve(queue: Path, out: Path, port: int):
+    return label_server(queue, out, port, "--labeller", "tester")
 
 
 @pytest.fixture(scope="module")

@@ -53,3 +53,26 @@ def headless_chrome(folder: Path, window: str = "1280,1200"):
         yield driver
     finally:
         driver.quit()
+
+
+def label_server(queue: Path, out: Path, port: int, *extra: str):
+    """``clarifier label serve`` on ``queue`` / ``out`` as its own process, once its API answers (60 s at most)."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "clarifier.cli", "label", "serve", "--queue", str(queue), "--out",
+                             str(out), "--port", str(port), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    for _ in range(300):
+        if proc.poll() is not None:
+            raise RuntimeError(f"label serve exited {proc.returncode}: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/api/progress", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("label serve did not start in 60 s")
