@@ -598,9 +598,9 @@ def label_select(logs: str = typer.Option(..., help="Folder, file or s3:// prefi
     except QueueError as exc:
         err_console.print(f"[red]label select failed:[/red] {escape(str(exc))}")
         raise typer.Exit(1)
-    _say(f"[label] label each line of {summary['queue']}: add \"needs_clarification\": true or false (and the "
-         "question you would ask, or \"decision_only\": true), then\n"
-         f"  clarifier adapt --model {summary['model_uri']} --data LABELLED.jsonl --out ./my-clarifier")
+    _say(f"[label] label them in the browser:\n  clarifier label serve --queue {summary['queue']} --out LABELS.jsonl\n"
+         "(or add \"needs_clarification\": true or false to each line of the queue), then\n"
+         f"  clarifier adapt --model {summary['model_uri']} --data LABELS.jsonl --out ./my-clarifier")
 
 
 @label_app.command("serve")
