@@ -35,7 +35,6 @@ can say nothing there.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -140,7 +139,7 @@ def main() -> None:
     a = ap.parse_args()
     result_file("recipe-rag-signal", a.out)
 
-    from clarifier.core.metrics import auroc, paired_bootstrap, within_source_summary
+    from clarifier.core.metrics import auroc, logit, paired_bootstrap, within_source_summary
     from clarifier.core.schema import source_of
     from clarifier.core.retrieval import GEOMETRY, PROFILE
     from clarifier.core.surface import fit_features, fit_surface_control, skill_over_control, surface_features
@@ -218,10 +217,6 @@ def main() -> None:
         print(f"[rag] scoring {name} on the dev split ({len(dev)} turns)", flush=True)
         dev_sc = [float(v) for v in engine.score_examples(dev, batch_size=8, progress=lambda d, n: print(
             f"[rag] {name} dev: {d}/{n}", flush=True) if d == n or d % 128 == 0 else None)]
-
-        def logit(p):
-            p = min(max(p, 1e-6), 1 - 1e-6)
-            return math.log(p / (1 - p))
 
         dev_y, dev_src = [bool(e.needs_clarification) for e in dev], [source_of(e) for e in dev]
         for extra, fdev, ftest in (("geometry", gx_dev, gx), ("retriever_scores", px_dev, px),

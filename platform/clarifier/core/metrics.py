@@ -106,6 +106,13 @@ def decision_metrics(gold: Sequence[bool], pred: Sequence[bool]) -> dict:
     }
 
 
+def logit(p: float, eps: float = 1e-6) -> float:
+    """Log-odds of a probability, clipped to ``[eps, 1 - eps]`` (scores stacked with other features, distances
+    from a threshold)."""
+    p = min(max(float(p), eps), 1 - eps)
+    return math.log(p / (1 - p))
+
+
 def auroc(gold: Sequence[bool], scores: Sequence[float]) -> float | None:
     """Area under the ROC curve of ``scores`` for the clarify class; None with a single gold class.
 

@@ -94,7 +94,7 @@ def retriever_score_check(examples: Sequence[Any], gold: Sequence[bool], model_s
     surface control (:func:`clarifier.core.surface.cross_fitted_scores`), and what stacking adds over the model
     (paired bootstrap interval): the evidence for feeding the scores to the decision, measured on the team's own
     turns."""
-    from clarifier.core.metrics import auroc, paired_bootstrap
+    from clarifier.core.metrics import auroc, logit, paired_bootstrap
     from clarifier.core.surface import cross_fitted_scores
 
     scored, with_passages = scored_share(examples)
@@ -102,10 +102,6 @@ def retriever_score_check(examples: Sequence[Any], gold: Sequence[bool], model_s
         return None
     prof = [score_profile(passage_scores(e.get("passages") if isinstance(e, dict) else e.passages) or [])
             for e in examples]
-
-    def logit(p: float) -> float:
-        p = min(max(float(p), 1e-6), 1 - 1e-6)
-        return math.log(p / (1 - p))
 
     gold = [bool(g) for g in gold]
     alone = cross_fitted_scores(examples, gold, sources, groups, folds=folds, seed=seed, features=prof)

@@ -18,17 +18,13 @@ is decided by a hash of the seed and the turn's or conversation's id):
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Sequence
+
+from clarifier.core.metrics import logit
 
 
 def _key(seed: int, text: str) -> str:
     return hashlib.sha256(f"{seed}:{text}".encode()).hexdigest()
-
-
-def logit(p: float) -> float:
-    p = min(max(float(p), 1e-6), 1 - 1e-6)
-    return math.log(p / (1 - p))
 
 
 def margins(scores: Sequence[float], threshold: float) -> list[float]:

@@ -198,13 +198,15 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
     rest = [i for i in eligible if convs[i] not in kept_convs]
 
     pool_examples: dict[int, Example] = {}
+    where: dict[int, tuple] = {}  # (source file, line) of each fetched turn
 
     def fetch(indexes: list[int]) -> dict[int, Example]:
         want = {ids[i]: i for i in indexes if i not in pool_examples}
         if want:
-            got = written.filter(lambda r: r["id"] in want).select_columns(["id", "turn_json"]).take_all()
-            for r in got:
+            got = written.filter(lambda r: r["id"] in want).select_columns(["id", "turn_json", "source", "line"])
+            for r in got.take_all():
                 pool_examples[want[r["id"]]] = Example.model_validate_json(r["turn_json"])
+                where[want[r["id"]]] = (r["source"], r["line"])
         return {i: pool_examples[i] for i in indexes}
 
     def embed(indexes: list[int]):
@@ -219,16 +221,13 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
     cluster_of = dict(zip(active, clusters))
     order = interleave(active, kept)
     examples = fetch([i for _, i in order])
-    src = {r["id"]: (r["source"], r["line"]) for r in written.filter(lambda r: r["id"] in {ids[i] for _, i in order})
-           .select_columns(["id", "source", "line"]).take_all()}
     lines = []
     for pos, (part, i) in enumerate(order, 1):
         e = examples[i]
         rec = e.model_dump(mode="json", include={"id", "history", "query", "passages"})
         rec["meta"] = {**e.meta, "queue": {
             "position": pos, "part": part, "score": round(scores[i], 6), "threshold": meta.threshold,
-            "cluster": cluster_of.get(i), "source": src.get(ids[i], (None, None))[0],
-            "line": src.get(ids[i], (None, None))[1]}}
+            "cluster": cluster_of.get(i), "source": where[i][0], "line": where[i][1]}}
         lines.append(json.dumps(rec, ensure_ascii=False))
     storage.write_text(storage.join(out, QUEUE), "".join(line + "\n" for line in lines))
     near = sum(1 for i in active if abs(scores[i] - meta.threshold) <= 0.1)

@@ -98,12 +98,15 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
              + f"; reading its states ({where})")
     token, x = features(examples, layers, pooling, batch_size, "labelled", progress)
 
-    if head is not None:
+    def as_shipped(token_scores, states) -> list[float]:
+        """P(clarify) by the model's decision as it is: its head on the states, else its decision tokens."""
+        if head is None:
+            return [float(v) for v in token_scores]
         import torch
 
-        before_scores = [float(v) for v in head.probability(torch.as_tensor(x, dtype=torch.float32))]
-    else:
-        before_scores = [float(v) for v in token]
+        return [float(v) for v in head.probability(torch.as_tensor(states, dtype=torch.float32))]
+
+    before_scores = as_shipped(token, x)
     before = {"decided_by": "decision head" if head is not None else "decision tokens",
               "auroc": auroc(list(y), before_scores), "threshold": threshold,
               "at_threshold": _at(y, before_scores, threshold)}
@@ -127,13 +130,8 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
     estimate = honest_estimate(examples, x, y, before_scores, prior, start, seed, max_over_asking)
     kept_apart = None
     if held:
-        _, xh = features(held, layers, pooling, batch_size, "kept apart", progress)
-        if head is not None:
-            import torch
-
-            held_before = [float(v) for v in head.probability(torch.as_tensor(xh, dtype=torch.float32))]
-        else:
-            held_before = [float(v) for v in _]
+        held_token, xh = features(held, layers, pooling, batch_size, "kept apart", progress)
+        held_before = as_shipped(held_token, xh)
         held_scores = held_before if kept == "shipped" else [float(v) for v in head_scores(fit, xh)]
         kept_apart = kept_apart_figures(held, held_scores, held_before, thr, examples, seed, max_over_asking)
     held_eval = (xh, [bool(e.needs_clarification) for e in held], held_before) if held else None
