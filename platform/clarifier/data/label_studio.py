@@ -25,7 +25,7 @@ import json
 import re
 from pathlib import Path
 
-from clarifier.data.label_store import LabelConflict, LabelStore, read_queue
+from clarifier.data.label_store import LabelConflict, LabelStore, jsonl_records, read_queue
 
 ASK, CLEAR = "Needs a question", "Clear"
 LABEL_CONFIG = """<View>
@@ -63,10 +63,7 @@ def export_tasks(queue: str | Path, out: str | Path, labels: str | Path | None =
     items = read_queue(queue)
     given: dict[str, dict] = {}
     if labels is not None and Path(labels).exists():
-        for line in Path(labels).read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                given[rec["id"]] = rec
+        given = {rec["id"]: rec for _, rec in jsonl_records(Path(labels).read_text(), str(labels))}
     tasks = []
     for item in items:
         q = (item.get("meta") or {}).get("queue") or {}
