@@ -422,6 +422,11 @@ def adapt(model: str = typer.Option(..., help="The model to adapt: builtin:<name
           split: str = typer.Option("train", help="The split of a data-job output folder to learn from."),
           experiment: Optional[str] = typer.Option(None, help="Also log the adapted model as a run of this MLflow "
                                                    "experiment (artifact 'adapter'), to register and promote it."),
+          train: bool = typer.Option(False, "--train", help="First train the model's LoRA adapter further on your "
+                                     "labelled turns (Ray Train; needs 200 of them plus a queue's kept-apart slice of "
+                                     "20, which alone judges it), then fit the head; the report sets it beside the "
+                                     "head refit alone."),
+          train_minutes: float = typer.Option(10.0, "--train-minutes", min=0.1, help="Time budget of the --train run."),
           config: Optional[Path] = ConfigOpt, submit: Optional[str] = SubmitOpt,
           installed_code: bool = InstalledCodeOpt, overrides: Optional[list[str]] = OverridesArg):
     """Fit the model's decision head to your own labelled turns (minutes on a CPU): a new model folder, and how
@@ -438,7 +443,8 @@ def adapt(model: str = typer.Option(..., help="The model to adapt: builtin:<name
         from clarifier.runtime.submit import absolute_path, existing_path
 
         args = ["--model", existing_path(model), "--data", existing_path(data), "--out", absolute_path(str(out)),
-                "--start", start, "--split", split, *(["--experiment", experiment] if experiment else [])]
+                "--start", start, "--split", split, *(["--experiment", experiment] if experiment else []),
+                *(["--train", "--train-minutes", str(train_minutes)] if train else [])]
         if not experiment:
             _say(f"[adapt] the adapted model is written to {absolute_path(str(out))} on the cluster's driver; add "
                  "--experiment NAME to have it logged to MLflow, where `clarifier models register` finds it")
@@ -453,27 +459,62 @@ def adapt(model: str = typer.Option(..., help="The model to adapt: builtin:<name
                           + (f" ({len(ed.skipped)} lines skipped: see above)" if ed.skipped else ""))
         raise typer.Exit(2)
     pool = None
-    if cfg.eval.engine == "ray":  # the forward passes on Ray actors (a cluster's GPUs with RAY_ADDRESS set)
+    if cfg.eval.engine == "ray" or train:  # forward passes on Ray actors (a cluster's GPUs with RAY_ADDRESS set)
         from clarifier.runtime.cluster import init_ray
 
         init_ray()
-        pool = cfg.eval.ray_pool()
+        pool = cfg.eval.ray_pool() if cfg.eval.engine == "ray" else None
+
+    def fit_head(model_uri: str, folder: Path) -> dict:
+        return adapt_head(model_uri, ed.examples, folder, start=start, max_over_asking=cfg.eval.max_over_asking,
+                          data_name=ed.name, data_fingerprint=ed.fingerprint, cache_dir=cfg.model.cache_dir,
+                          tracking_uri=tracking_uri, precision=cfg.model.precision,
+                          batch_size=cfg.train.decision_head.batch_size,
+                          seed=cfg.train.seed, ray_pool=pool, progress=_say)
+
     try:
-        res = adapt_head(model, ed.examples, out, start=start, max_over_asking=cfg.eval.max_over_asking,
-                         data_name=ed.name, data_fingerprint=ed.fingerprint, cache_dir=cfg.model.cache_dir,
-                         tracking_uri=tracking_uri, precision=cfg.model.precision,
-                         batch_size=cfg.train.decision_head.batch_size,
-                         seed=cfg.train.seed, ray_pool=pool, progress=_say)
+        if not train:
+            res = fit_head(model, out)
+        else:
+            res = _adapt_with_training(cfg, model, ed.examples, out, train_minutes, fit_head)
     except AdaptError as exc:
         err_console.print(f"[red]cannot adapt:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
     _print_adapted(res)
+    if res.get("lora_continuation"):
+        lc = res["lora_continuation"]
+        _say(f"[adapt] LoRA continuation: {lc['steps']} steps in {lc['seconds'] / 60:.1f} min (MLflow run {lc['run_id']})"
+             f"; head refit alone: {lc['head_only_folder']}")
+        _say(f"[adapt] {lc['comparison']['verdict']}")
     if experiment:
         from clarifier.train.adapt import log_adapted
 
         run_id = log_adapted(res["folder"], res, experiment, tracking_uri)
         _say(f"[adapt] logged as MLflow run {run_id} (experiment {experiment}); register it:\n"
              f"  clarifier models register --run-id {run_id} --name {cfg.registry.model_name} --alias challenger")
+
+
+def _adapt_with_training(cfg, model: str, examples: list, out: Path, minutes: float, fit_head) -> dict:
+    """``clarifier adapt --train``: the head refit alone first (``<out>.head-only``, the comparison), then the LoRA
+    continuation on the labels and the head fitted on its states into ``out``, both scored on the same kept-apart
+    turns (clarifier.train.adapt.continue_adapter)."""
+    from clarifier.train.adapt import check_train_labels, compare_kept_apart, continue_adapter, is_kept_apart
+
+    check_train_labels(examples)
+    out = Path(out).expanduser().resolve()
+    head_folder = out.with_name(out.name + ".head-only")
+    _say(f"[adapt] --train: first the head refit alone (-> {head_folder}), the figure the continuation must beat")
+    head_only = fit_head(model, head_folder)
+    name = f"{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cont = continue_adapter(cfg, model, examples, name, minutes=minutes, progress=_say)
+    res = fit_head(cont["model_dir"], out)
+    held = [e for e in examples if is_kept_apart(e)]
+    comparison = compare_kept_apart(held, res.get("kept_apart") or {}, head_only.get("kept_apart") or {},
+                                    seed=cfg.train.seed)
+    res["lora_continuation"] = {**cont, "from": model, "head_only_folder": str(head_folder), "comparison": comparison}
+    summary = Path(res["folder"]) / "adapt.json"
+    summary.write_text(json.dumps({k: v for k, v in res.items() if k != "folder"}, indent=2) + "\n")
+    return res
 
 
 def _print_adapted(res: dict) -> None:

@@ -38,6 +38,9 @@ def _queue(path: Path, n: int = 6) -> Path:
              "meta": {"conversation_id": f"c{i}", "queue": {"position": i + 1, "score": 0.5, "threshold": 0.5,
                                                             "part": "kept_apart" if i % 3 == 0 else "active"}}}
             for i in range(n)]
+    rows[-1]["meta"]["prelabel"] = {"needs_clarification": True, "rule": "served_question_answered",
+                                    "why": "Clarifier asked, the app showed the question and the user answered",
+                                    "question": "The router or the modem?"}  # a queue from the request log
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -112,11 +115,18 @@ def test_labelling_in_the_browser_survives_a_killed_server(browser, tmp_path):
         browser.get(f"http://127.0.0.1:{port}/")
         _shows(browser, "how do I reset it? (4)")
         assert "3 labelled, 1 skipped, 2 left of 6" in _text(browser, "count")
+        assert not browser.find_element(By.ID, "prelabel").is_displayed()
         browser.find_element(By.TAG_NAME, "body").send_keys("n")
         _shows(browser, "how do I reset it? (5)")
-        browser.find_element(By.TAG_NAME, "body").send_keys("n")
+        # a pre-label from what happened next: shown with its rule, its question filled in, Enter confirms it
+        assert "needs a question" in _text(browser, "prelabel") and "user answered" in _text(browser, "prelabel")
+        assert browser.find_element(By.ID, "question").get_attribute("value") == "The router or the modem?"
+        browser.find_element(By.TAG_NAME, "body").send_keys(Keys.ENTER)
         _wait(browser, lambda d: d.find_element(By.ID, "done").is_displayed())
         assert [r["id"] for r in _labels(out)] == ["c0:2", "c1:2", "c3:2", "c4:2", "c5:2"]
+        last = _labels(out)[-1]
+        assert last["needs_clarification"] is True and last["clarifying_question"] == "The router or the modem?"
+        assert last["meta"]["label"]["prelabel_agrees"] is True
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         browser.save_screenshot(str(ARTIFACTS / "label-page-done.png"))
     finally:

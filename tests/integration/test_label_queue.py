@@ -92,3 +92,46 @@ def test_label_select_queues_uncertain_diverse_turns_and_a_kept_apart_slice(tmp_
     bad.write_text('{"query": "no id"}\n')
     res = run(tmp_path / "q2", "--labelled", str(bad))
     assert res.exit_code == 2 and "bad.jsonl:1: a labelled turn needs a string 'id'" in res.output
+
+
+@pytest.mark.timeout(600)
+def test_label_select_on_the_request_log_queues_each_turn_once_with_its_prelabel(tmp_path, tiny_adapter, encoder,
+                                                                                ray_local):
+    from typer.testing import CliRunner
+
+    from clarifier.cli import app
+    from support.served import conversation
+
+    logs = tmp_path / "request-log"
+    logs.mkdir()
+    records = []
+    for i in range(8):  # three requests per conversation, each repeating the earlier turns in its history
+        ask = "The router or the modem?" if i % 2 else None
+        records += conversation(f"r{i}", [("how do I reset it?", ask, ask or "Hold the button."),
+                                          ("the modem" if ask else f"what about the printer {i}?", None, "Done."),
+                                          ("thanks", None, "Bye.")])
+    (logs / "part-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records)
+                                       + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    res = CliRunner().invoke(app, ["label", "select", "--logs", str(logs), "--out", str(tmp_path / "q"), "--model",
+                                   str(tiny_adapter), "--n", "24", "--kept-apart", "4", "--encoder", str(encoder),
+                                   "audit.batch_size=4"])
+    assert res.exit_code == 0, res.output
+    assert "request log" in res.output and "1 quarantined" in res.output
+    q = _queue(tmp_path / "q")
+    ids = [r["id"] for r in q]
+    # 8 conversations x 3 user turns, each read once; the 4 kept apart take their conversations out of the rest
+    assert len(ids) == len(set(ids)) == 16
+    for r in q:
+        conv, turn = r["id"].split(":")
+        pre = r["meta"].get("prelabel")
+        if turn == "4":
+            assert pre is None  # nothing followed the last turn
+        elif turn == "0" and int(conv[1:]) % 2:
+            assert pre["needs_clarification"] is True and pre["question"] == "The router or the modem?"
+            assert pre["rule"] == "served_question_answered"
+        else:
+            assert pre["needs_clarification"] is False and pre["rule"] == "served_silent_continued"
+    manifest = json.loads((tmp_path / "q" / "queue.json").read_text())
+    assert manifest["request_log"] is True and manifest["counts"]["turns"] == 24
+    assert manifest["prelabelled"]["turns"] == sum(1 for r in q if r["meta"].get("prelabel"))
+    assert manifest["counts"]["records"] == 25 and manifest["counts"]["quarantined"] == 1

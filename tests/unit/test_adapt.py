@@ -175,3 +175,27 @@ def test_cli_adapts_from_a_jsonl_file_and_names_a_one_class_file(headed_model, t
     res = CliRunner().invoke(app, ["adapt", "--model", str(headed_model), "--data", str(clear), "--out",
                                    str(tmp_path / "none"), "model.precision=fp32"])
     assert res.exit_code == 2 and "cannot adapt" in res.output and "0 need a question and 15 do not" in res.output
+
+
+def test_a_lora_continuation_needs_enough_labels_and_is_compared_on_the_kept_apart_turns():
+    from clarifier.train.adapt import AdaptError, check_train_labels, compare_kept_apart
+
+    turns = labelled_turns(240, "t")
+    for e in turns[:30]:
+        e.meta["queue"] = {"part": "kept_apart"}
+    assert check_train_labels(turns) == (210, 30)
+    with pytest.raises(AdaptError, match="190 labelled turns to train on and 30 kept apart"):
+        check_train_labels(turns[:220])
+    with pytest.raises(AdaptError, match="210 labelled turns to train on and 15 kept apart"):
+        check_train_labels(turns[15:])
+    held = turns[:30]
+    gold = [e.needs_clarification for e in held]
+    good = {e.id: (0.9 if g else 0.1) for e, g in zip(held, gold)}
+    noisy = {e.id: (0.6 if g else 0.4) if i % 3 else (0.4 if g else 0.6) for i, (e, g) in enumerate(zip(held, gold))}
+    better = compare_kept_apart(held, {"turns": good}, {"turns": noisy})
+    assert better["auroc_diff_interval"][0] > 0 and "ranks the kept-apart turns better" in better["verdict"]
+    worse = compare_kept_apart(held, {"turns": noisy}, {"turns": good})
+    assert "worse than the head refit alone" in worse["verdict"]
+    same = compare_kept_apart(held, {"turns": good}, {"turns": dict(good)})
+    assert "no measured difference" in same["verdict"]
+    assert "not scored on the same" in compare_kept_apart(held, {"turns": good}, {})["verdict"]

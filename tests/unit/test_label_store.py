@@ -126,3 +126,25 @@ def test_the_page_api(tmp_path):
     c.post("/api/label", json={"id": "c1:2", "decision": "clear", "session": "tab-2"})
     assert c.get("/api/progress").json()["pages_labelling"] == 2  # two tabs labelling: the page says so
     store.close()
+
+
+def test_a_prelabel_confirmed_or_overturned_is_recorded_with_the_label(tmp_path):
+    q = write_queue(tmp_path / "queue.jsonl", 4)
+    rows = [json.loads(line) for line in q.read_text().splitlines()]
+    rows[0]["meta"]["prelabel"] = {"needs_clarification": True, "rule": "served_question_answered"}
+    rows[1]["meta"]["prelabel"] = {"needs_clarification": True, "rule": "missed_reformulated"}
+    rows[2]["meta"]["prelabel"] = {"needs_clarification": False, "rule": "served_silent_continued"}
+    q.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "labels.jsonl"
+    s = LabelStore(q, out)
+    s.add("c0:2", "clarify")
+    s.add("c1:2", "clear")  # the person overturns what happened next
+    s.add("c2:2", "skip")
+    s.add("c3:2", "clear")  # no pre-label
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert recs["c0:2"]["meta"]["label"]["prelabel_agrees"] is True
+    assert recs["c1:2"]["meta"]["label"]["prelabel_agrees"] is False
+    assert "prelabel_agrees" not in recs["c3:2"]["meta"]["label"]
+    assert recs["c0:2"]["meta"]["prelabel"]["rule"] == "served_question_answered"  # kept with the label
+    assert s.progress()["prelabels"] == {"queued": 3, "confirmed": 1, "overturned": 1}
+    s.close()

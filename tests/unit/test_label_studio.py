@@ -83,3 +83,20 @@ def test_a_bad_export_names_the_task(tmp_path):
                                        str(tmp_path / "l.jsonl")])
         assert res.exit_code == 2, res.output
         assert re.search(match, res.output), res.output
+
+
+def test_a_prelabel_from_what_happened_next_is_the_pre_annotation(tmp_path):
+    queue = write_queue(tmp_path / "queue.jsonl", 2)
+    rows = [json.loads(line) for line in queue.read_text().splitlines()]
+    rows[0]["meta"]["prelabel"] = {"needs_clarification": False, "rule": "served_silent_continued"}  # score says ask
+    rows[1]["meta"]["prelabel"] = {"needs_clarification": True, "rule": "served_question_answered",
+                                   "question": "Which router?"}
+    queue.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = CliRunner().invoke(app, ["label", "export", "--queue", str(queue), "--out", str(tmp_path / "tasks.json")])
+    assert res.exit_code == 0, res.output
+    tasks = json.loads((tmp_path / "tasks.json").read_text())
+    first, second = (t["predictions"][0] for t in tasks)
+    assert first["model_version"] == "what-happened-next:served_silent_continued"
+    assert first["result"][0]["value"]["choices"] == ["Clear"]
+    assert second["result"][0]["value"]["choices"] == ["Needs a question"]
+    assert second["result"][1]["value"]["text"] == ["Which router?"]

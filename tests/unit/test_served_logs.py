@@ -73,3 +73,66 @@ def test_records_of_two_conversations_are_refused():
     with pytest.raises(ValueError, match="several conversations"):
         assemble(conversation("a", [("x", None, "y")]) + conversation("b", [("x", None, "y")]))
     assert set(RULES) and set(SKIP_REASONS)
+
+
+def _rows(records: list[dict], cid: str | None = None) -> list[dict]:
+    """``clarifier label select``'s reading of one conversation's request-log records (a Ray groupby group)."""
+    import json
+
+    import pyarrow as pa
+
+    from clarifier.core.config import AuditConfig
+    from clarifier.data.audit_stages import request_log_turn_rows
+
+    group = pa.Table.from_pylist([{"conversation_id": r.get("conversation_id", "") if cid is None else cid,
+                                   "record_json": json.dumps(r), "source": "log/part-0.jsonl", "line": i + 1}
+                                  for i, r in enumerate(records)])
+    return request_log_turn_rows(group, audit=AuditConfig().model_dump(), labelling=RULES_CFG.model_dump(),
+                                 min_overlap=0.5).to_pylist()
+
+
+def test_label_select_reads_each_turn_of_a_request_log_once_with_its_prelabel():
+    import json
+
+    recs = conversation("c1", [("how do I reset it?", "The router or the modem?", "The router or the modem?"),
+                               ("the modem", None, "Hold the reset button for 10 seconds."),
+                               ("and its firmware?", None, "Open the admin page.")])
+    random.Random(1).shuffle(recs)
+    rows = _rows(recs)
+    turns = [r for r in rows if r["kind"] == "turn"]
+    assert [r["id"] for r in turns] == ["c1:0", "c1:2", "c1:4"]  # three requests repeat turn 0: read once
+    pre = {r["id"]: json.loads(r["turn_json"])["meta"].get("prelabel") for r in turns}
+    assert pre["c1:0"]["needs_clarification"] is True and pre["c1:0"]["rule"] == "served_question_answered"
+    assert pre["c1:0"]["question"] == "The router or the modem?" and pre["c1:0"]["why"] == RULES[pre["c1:0"]["rule"]]
+    assert pre["c1:2"] == {"needs_clarification": False, "rule": "served_silent_continued",
+                           "why": RULES["served_silent_continued"]}
+    assert pre["c1:4"] is None  # nothing followed: no pre-label, still a turn to label
+    assert all(r["gold"] is None for r in turns)  # a pre-label is not a label: the turn stays eligible
+    counts = [r for r in rows if r["kind"] == "file"]
+    assert len(counts) == 1 and counts[0]["n_lines"] == 3 and counts[0]["n_turns"] == 3
+
+    omitted = conversation("c2", [("reset it", None, "Press reset."), ("thanks", None, "Bye.")])
+    omitted[1]["turns"] = omitted[1]["turns"][-1:]  # serve.request_log.omit: [history]
+    omitted[1]["meta"]["request_log"]["history_omitted"] = True
+    ids = [r["id"] for r in _rows(omitted[1:]) if r["kind"] == "turn"]
+    assert ids == ["c2:2"]  # named by its index in the conversation, as the data job's labels name it
+
+    other = _rows([{"messages": [{"role": "user", "content": "hi"}]}], cid="")
+    assert [r["kind"] for r in other] == ["quarantine", "file"] and "not a request-log record" in other[0]["reason"]
+
+
+def test_a_request_log_is_told_from_chat_logs_by_its_first_record(tmp_path):
+    import gzip
+    import json
+
+    import pyarrow.fs as pafs
+
+    from clarifier.data.audit_stages import first_record_is_request_log
+
+    fs = pafs.LocalFileSystem()
+    log = tmp_path / "requests.jsonl.gz"
+    log.write_bytes(gzip.compress(("\n" + json.dumps(conversation("c1", [("x", None, "y")])[0]) + "\n").encode()))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert first_record_is_request_log(fs, [str(log)]) and not first_record_is_request_log(fs, [str(chat)])
+    assert not first_record_is_request_log(fs, [str(tmp_path / "x.parquet")])

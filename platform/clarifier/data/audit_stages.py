@@ -174,3 +174,93 @@ def parse_audit_files(batch: pa.Table, *, filesystem, scheme: str, audit: dict) 
             mine += [{"kind": "quarantine", **q}] if q else _turn_rows(obj, source, line_no, raw, cfg)
         rows += [*mine, _file_row(source, mine, n_lines, n_blank)]
     return pa.Table.from_pylist(rows, schema=audit_schema(cfg.segments))
+
+
+# ---- the serving request log as a source of turns to label (clarifier label select) ----------
+
+NOT_A_REQUEST_RECORD = ("not a request-log record (no meta.request_log, as serve.request_log writes them): a folder "
+                        "read as a request log holds only those; give chat logs in their own folder")
+
+
+def first_record_is_request_log(filesystem, paths: list[str]) -> bool:
+    """Whether the first record of the first JSONL file under ``paths`` is a request-log record (the serving
+    request log, :mod:`clarifier.core.request_record`): the logs are then read as one (see
+    :func:`request_log_turn_rows`)."""
+    from clarifier.core.request_record import META_KEY
+
+    for path in paths:
+        if path.endswith(".parquet"):
+            continue
+        try:
+            lines = read_lines(filesystem, path)
+        except UnreadableFile:
+            continue
+        for raw in lines:
+            if raw.strip():
+                try:
+                    obj = json.loads(raw)
+                except ValueError:
+                    return False
+                return isinstance(obj, dict) and isinstance(obj.get("meta"), dict) and META_KEY in obj["meta"]
+    return False
+
+
+def request_log_turn_rows(group: pa.Table, *, audit: dict, labelling: dict, min_overlap: float) -> pa.Table:
+    """One conversation's request-log records (a ``groupby("conversation_id")`` group of
+    :func:`clarifier.data.stages.read_request_records` rows) -> :func:`audit_schema` rows: the user turns of the
+    conversation put back together (:func:`clarifier.data.served_logs.assemble`: each turn once, however many
+    requests repeated it in their history), each turn that what happened next labels
+    (:func:`clarifier.data.served_logs.label_served`) carrying that label as ``meta.prelabel`` -- a pre-label for a
+    person to confirm on the labelling page; a quarantine row per record that is not a request-log record or
+    does not assemble (the reason names why); and one count row (its ``n_lines``: the records read)."""
+    from clarifier.core.config import LabellingConfig
+    from clarifier.data.served_logs import RULES, assemble, label_served
+
+    cfg = AuditConfig.model_validate(audit)
+    records = group.column("record_json").to_pylist()
+    sources, lines = group.column("source").to_pylist(), group.column("line").to_pylist()
+    cid = group.column("conversation_id")[0].as_py()
+
+    def quarantined(reason: str) -> list[dict]:
+        return [{"kind": "quarantine", **quarantine_record(s, n, reason, r)} for r, s, n in zip(records, sources, lines)]
+
+    if not cid:
+        rows = []
+        for r, s, n in zip(records, sources, lines):
+            try:
+                err = json.loads(r).get("error") if "unreadable_file" in r[:40] else None
+            except ValueError:
+                err = None
+            rows.append({"kind": "quarantine", **quarantine_record(s, n, err or NOT_A_REQUEST_RECORD, r)})
+    else:
+        try:
+            parsed = [json.loads(r) for r in records]
+            log, _ = assemble(parsed)
+            examples, _ = label_served(log, LabellingConfig.model_validate(labelling), min_overlap)
+        except ValueError as exc:
+            rows = quarantined(f"the conversation's request-log records do not fit together: "
+                               f"{str(exc).splitlines()[0][:300]}")
+        else:
+            offset = int(log.meta.get("request_log_offset", 0))
+            for e in examples:
+                i = int(e.meta["turn_index"]) - offset
+                rule = e.meta["labelling_rule"]
+                log.turns[i].meta = {**(log.turns[i].meta or {}), "prelabel": {
+                    "needs_clarification": e.needs_clarification, "rule": rule, "why": RULES[rule],
+                    **({"question": e.clarifying_question} if e.clarifying_question else {})}}
+            longest = max(range(len(parsed)), key=lambda j: len(parsed[j].get("turns") or []))
+            obj = log.model_dump(mode="json", exclude_none=True)
+            rows = _turn_rows(obj, sources[longest], lines[longest], records[longest], cfg)
+            if offset:  # history omitted: the turn's index in the conversation, as the data job's labels name it
+                for row in rows:
+                    if row["kind"] == "turn":
+                        row["turn_index"] += offset
+                        row["id"] = f"{cid}:{row['turn_index']}"
+                        turn = json.loads(row["turn_json"])
+                        turn["id"] = row["id"]
+                        row["turn_json"] = json.dumps(turn, ensure_ascii=False)
+    kinds = [r["kind"] for r in rows]
+    rows.append({"kind": "file", "source": sources[0], "n_lines": len(records), "n_blank": 0,
+                 "n_turns": kinds.count("turn"), "n_quarantined": kinds.count("quarantine"),
+                 "n_lines_with_turns": len(records) if "turn" in kinds else 0})
+    return pa.Table.from_pylist(rows, schema=audit_schema(cfg.segments))

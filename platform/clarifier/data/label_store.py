@@ -9,7 +9,9 @@
   :meth:`LabelStore.add` returns, so a closed tab or a killed server loses nothing that was acknowledged. Each line
   is an evaluation-set record (``clarifier adapt --data labels.jsonl`` reads the file as it is): the queued turn with
   ``needs_clarification``, the question when one was written (else ``decision_only: true`` for a positive), the
-  grounding turns, and ``meta.label`` (who, when, the session). Skips go to ``<labels>.skips.jsonl`` beside it.
+  grounding turns, and ``meta.label`` (who, when, the session; for a turn that carried a pre-label from what
+  happened next, ``prelabel_agrees``: whether the person confirmed it). Skips go to ``<labels>.skips.jsonl``
+  beside it.
 * **Resume.** Opening the store reads both files: the queue continues at the first turn with neither.
 * **Two people on one file are detected, not merged.** A store holds a lock file (``<labels>.lock``: labeller, host,
   pid, start) while open; a second store on the same file refuses to open unless ``take_over=True``. And before each
@@ -189,6 +191,9 @@ class LabelStore:
             meta = {**(item.get("meta") or {}), "label": {
                 "by": self.labeller, "session": session or self.session,
                 "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "decision": decision}}
+            pre = (item.get("meta") or {}).get("prelabel")
+            if pre and decision != "skip":  # a pre-label from what happened next: confirmed or overturned
+                meta["label"]["prelabel_agrees"] = (decision == "clarify") == bool(pre.get("needs_clarification"))
             if decision == "skip":
                 rec: dict[str, Any] = {"id": turn_id, "meta": meta}
                 target, into = self.skips_path, self.skipped
@@ -222,7 +227,11 @@ class LabelStore:
                 for i, r in labels.items() if i in self._by_id
                 and ((self._by_id[i].get("meta") or {}).get("queue") or {}).get("part") == "kept_apart"]
         kept = [(g, s) for g, s in kept if s is not None]
+        agrees = [r["meta"]["label"]["prelabel_agrees"] for r in labels.values()
+                  if "prelabel_agrees" in ((r.get("meta") or {}).get("label") or {})]
         return {"queued": len(self.queue), "labelled": len(labels), "skipped": skipped,
+                "prelabels": {"queued": sum(1 for r in self.queue if (r.get("meta") or {}).get("prelabel")),
+                              "confirmed": sum(agrees), "overturned": len(agrees) - sum(agrees)},
                 "left": len(self.queue) - sum(1 for r in self.queue if self.done(r["id"])),
                 "clarify": pos, "clear": len(labels) - pos, "kept_apart": _estimate(kept),
                 "other_writers": foreign, "labels": str(self.path)}

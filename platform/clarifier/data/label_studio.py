@@ -7,8 +7,10 @@ and the labelling interface to create the project with (``LABEL_CONFIG``, also w
 
 * ``data``: ``turn_id``, ``conversation`` (numbered turns, one per line), ``passages``, ``query``, ``part``
   (active / kept apart) and the model's ``score``;
-* ``predictions``: the model's decision at its threshold as a pre-annotation (Label Studio shows it, the person
-  confirms or changes it), ``model_version`` the queue's model;
+* ``predictions``: a pre-annotation Label Studio shows for the person to confirm or change: the turn's pre-label
+  from what happened next where it has one (a queue from the serving request log, ``meta.prelabel``;
+  ``model_version`` ``what-happened-next:<rule>``, with the question that was asked), else the model's decision at
+  its threshold (``model_version`` the queue's model);
 * ``annotations``: the labels already given in Clarifier's labels file, if one is passed.
 
 Import reads Label Studio's JSON export (``Export -> JSON``): per task its latest annotation that was not cancelled,
@@ -71,7 +73,13 @@ def export_tasks(queue: str | Path, out: str | Path, labels: str | Path | None =
             "turn_id": item["id"], "conversation": _conversation(item) or "(no earlier turns)",
             "passages": "\n\n".join(f"{p.get('id')}: {p.get('text')}" for p in item.get("passages") or []) or "(none)",
             "query": item["query"], "part": q.get("part"), "score": q.get("score")}}
-        if q.get("score") is not None and q.get("threshold") is not None:
+        pre = (item.get("meta") or {}).get("prelabel")
+        if pre:
+            result = [_choice(ASK if pre.get("needs_clarification") else CLEAR)]
+            if pre.get("question"):
+                result.append(_text("question", pre["question"], "query"))
+            task["predictions"] = [{"model_version": f"what-happened-next:{pre.get('rule')}", "result": result}]
+        elif q.get("score") is not None and q.get("threshold") is not None:
             task["predictions"] = [{"model_version": str(q.get("model") or "clarifier"), "score": q["score"],
                                     "result": [_choice(ASK if q["score"] >= q["threshold"] else CLEAR)]}]
         rec = given.get(item["id"])

@@ -4,7 +4,11 @@
 
 1. **read** every log file as the audit reads them (:mod:`clarifier.data.audit_stages`: OpenAI transcripts,
    conversation logs, examples; JSONL, JSONL.gz, Parquet; ``audit.formats``); records that cannot be read go to
-   ``<out>/quarantine/`` and are counted;
+   ``<out>/quarantine/`` and are counted. Logs whose first record is a **serving request log** record
+   (``serve.request_log``) are read as one: each conversation put back together from its requests (each turn
+   once), and a turn that what happened next labels (:mod:`clarifier.data.served_logs`: Clarifier asked and the
+   user answered, the user restated the request, ...) carries that label as ``meta.prelabel`` -- a pre-label the
+   labelling page shows for a person to confirm (Label Studio export: its pre-annotation);
 2. **score** every user turn with the model (P(clarify), the engine's one-pass decision) on a pool of
    ``audit.actors`` scorer actors, written to ``<out>/scored/`` (Parquet);
 3. in the driver, on ids and scores only (:mod:`clarifier.core.selection`): leave out turns already labelled (a
@@ -72,7 +76,7 @@ def interleave(active: list[int], kept: list[int]) -> list[tuple[str, int]]:
     return out
 
 
-def _turn_text(example) -> str:
+def turn_text(example) -> str:
     """What a turn is about, for the diversity clusters: the latest message and the user turn before it."""
     users = [t.text for t in example.history if str(getattr(t.role, "value", t.role)) == "user"]
     return (users[-1][-300:] + " || " if users else "") + example.query[:500]
@@ -111,7 +115,9 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
 
     from clarifier.core.schema import Example
     from clarifier.core.selection import active_selection, kept_apart_slice
-    from clarifier.data.audit_stages import FILE_COUNTS, QUARANTINE_COLUMNS, parse_audit_files
+    from clarifier.data.audit_stages import (FILE_COUNTS, QUARANTINE_COLUMNS, first_record_is_request_log,
+                                             parse_audit_files, request_log_turn_rows)
+    from clarifier.data.stages import read_request_records
     from clarifier.data.pipeline import SUFFIXES
     from clarifier.engine.inference import read_meta
     from clarifier.engine.loading import resolve_model
@@ -145,10 +151,23 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
     scheme = "s3://" if storage.is_s3(logs) else ""
     paths = [storage.filesystem(f)[1] for f in files]
 
+    request_log = first_record_is_request_log(fs, paths)
+    if request_log:
+        progress("[label] the logs are a serving request log: conversations put back together from their requests; "
+                 "turns that what happened next labels get a pre-label to confirm")
+
     def read(**remote):
-        return ray.data.from_items([{"path": p} for p in paths], override_num_blocks=min(len(paths), 200)).map_batches(
-            parse_audit_files, batch_size=1, batch_format="pyarrow",
-            fn_kwargs={"filesystem": fs, "scheme": scheme, "audit": a.model_dump()}, **remote)
+        items = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=min(len(paths), 200))
+        if not request_log:
+            return items.map_batches(parse_audit_files, batch_size=1, batch_format="pyarrow",
+                                     fn_kwargs={"filesystem": fs, "scheme": scheme, "audit": a.model_dump()}, **remote)
+        records = items.map_batches(read_request_records, batch_size=1, batch_format="pyarrow",
+                                    fn_kwargs={"filesystem": fs, "scheme": scheme}, **remote)
+        partitions = max(1, min(200, 4 * len(paths)))  # not Ray's default 200 for a few files
+        return records.groupby("conversation_id", num_partitions=partitions).map_groups(
+            request_log_turn_rows, batch_format="pyarrow", num_cpus=remote.get("num_cpus", 1),
+            fn_kwargs={"audit": a.model_dump(), "labelling": cfg.data.labelling.model_dump(),
+                       "min_overlap": cfg.data.request_log.min_reformulation_overlap})
 
     with _small_blocks():
         parsed = read().filter(expr=col("kind") != "turn").materialize()
@@ -158,7 +177,8 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
             qfs, qpath = storage.filesystem(storage.join(out, QUARANTINE))
             parsed.filter(expr=col("kind") == "quarantine").select_columns(QUARANTINE_COLUMNS).write_parquet(
                 qpath, filesystem=qfs)
-        progress(f"[label] read {counts['n_lines']} conversations: {counts['n_turns']} user turns, "
+        what = "request-log records" if request_log else "conversations"
+        progress(f"[label] read {counts['n_lines']} {what}: {counts['n_turns']} user turns, "
                  f"{counts['n_quarantined']} quarantined"
                  + (f" (-> {storage.join(out, QUARANTINE)})" if counts["n_quarantined"] else ""))
         if not counts["n_turns"]:
@@ -214,7 +234,7 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
 
         ex = fetch(indexes)
         progress(f"[label] embedding the {len(indexes)} turns nearest the threshold for the diversity clusters")
-        return SentenceEncoder(encoder).encode([_turn_text(ex[i]) for i in indexes])
+        return SentenceEncoder(encoder).encode([turn_text(ex[i]) for i in indexes])
 
     active, clusters = active_selection(ids, scores, meta.threshold, rest, n - len(kept), embed, seed=seed,
                                         pool_factor=pool_factor)
@@ -231,6 +251,8 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
         lines.append(json.dumps(rec, ensure_ascii=False))
     storage.write_text(storage.join(out, QUEUE), "".join(line + "\n" for line in lines))
     near = sum(1 for i in active if abs(scores[i] - meta.threshold) <= 0.1)
+    prelabels = [(examples[i].meta or {}).get("prelabel") for _, i in order]
+    prelabels = [p for p in prelabels if p]
     summary = {
         "logs": logs, "output": out, "model_uri": model_uri, "model_version": resolved.version,
         "threshold": meta.threshold, "seed": seed, "n": len(order), "asked": n,
@@ -239,12 +261,17 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
         "counts": {"files": len(files), "records": counts["n_lines"], "quarantined": counts["n_quarantined"],
                    "turns": len(rows), "labelled_in_logs": gold_in_logs, "skipped_as_labelled_or_queued":
                    sum(1 for r in rows if r["gold"] is None and r["id"] in skip), "eligible": len(eligible)},
-        "active_within_0.1_of_threshold": near,
+        "active_within_0.1_of_threshold": near, "request_log": request_log,
+        "prelabelled": {"turns": len(prelabels),
+                        "by_rule": {r: sum(1 for p in prelabels if p["rule"] == r)
+                                    for r in sorted({p["rule"] for p in prelabels})}},
         "queue": storage.join(out, QUEUE), "labelled_files": list(labelled),
         "seconds": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"),
     }
     storage.write_text(storage.join(out, MANIFEST), json.dumps(summary, indent=1) + "\n")
     progress(f"[label] queued {len(order)} turns -> {summary['queue']}: {len(active)} near the threshold over "
              f"{summary['clusters']} clusters, {len(kept)} kept apart for the estimate (one per conversation, "
-             f"stratified by score)")
+             f"stratified by score)"
+             + (f"; {len(prelabels)} carry a pre-label from what happened next {summary['prelabelled']['by_rule']}"
+                if request_log else ""))
     return summary

@@ -5,7 +5,9 @@ queued turns and writes labels), served by uvicorn on one port:
 
 * ``GET /`` -- the page (``label.html``): the conversation with numbered turns (click a turn to mark it as the
   question's grounding), the passages, the latest message, and three keys: ``c`` needs a question, ``n`` clear,
-  ``s`` skip (an optional question text; Ctrl+Enter in it labels "needs a question");
+  ``s`` skip (an optional question text; Ctrl+Enter in it labels "needs a question"); a turn that carries a
+  pre-label from what happened next (a queue chosen from the serving request log, ``meta.prelabel``) shows it with
+  its rule, and ``Enter`` confirms it;
 * ``GET /api/next?after=ID`` -- the next turn without a label and the progress;
 * ``POST /api/label`` ``{"id", "decision", "question"?, "grounding_turns"?, "session"?}`` -- appends the label
   (on disk before the answer: 200), 409 when the turn is already labelled (by another page or process), 422 on a

@@ -6,6 +6,12 @@ a model trained on them ranks an assistant whose conversations look like none of
 few hundred labelled turns of one's own takes one forward pass per turn and seconds of fitting, and leaves the
 adapter (questions, grounding) as trained.
 
+With ``--train`` (:func:`continue_adapter`) the model's LoRA adapter is first trained further on the labelled
+turns (Ray Train, ``model.init_from``), then the head is fitted on the continued model's states as below. Its
+out-of-fold figures then read states trained on the same turns, so only the queue's kept-apart slice judges it: a
+continuation needs ``MIN_TRAIN_LABELS`` labelled turns and ``MIN_TRAIN_KEPT_APART`` kept-apart ones, and the report
+sets it beside the head refit alone on those turns.
+
 Two heads are fitted (:func:`clarifier.train.decision_head.fit_on_labels`), each by stratified cross-validation on
 the labelled turns: ``head``, the model's own head moved towards the labels (a penalty pulls it to the shipped
 weights, so few labels adjust it and many can override it), and ``scratch``, a head on the labels alone. The one
@@ -29,6 +35,8 @@ from pathlib import Path
 from typing import Callable
 
 MIN_PER_CLASS = 5  # labelled turns of each class below which adapting is refused
+MIN_TRAIN_LABELS = 200  # labelled turns (outside the kept-apart slice) below which a LoRA continuation is refused
+MIN_TRAIN_KEPT_APART = 20  # kept-apart turns a LoRA continuation is judged on: its only honest figure
 STARTS = ("auto", "head", "scratch")
 
 
@@ -134,6 +142,7 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
         held_before = as_shipped(held_token, xh)
         held_scores = held_before if kept == "shipped" else [float(v) for v in head_scores(fit, xh)]
         kept_apart = kept_apart_figures(held, held_scores, held_before, thr, examples, seed, max_over_asking)
+        kept_apart["turns"] = {e.id: round(float(v), 6) for e, v in zip(held, held_scores)}  # to compare models on
     held_eval = (xh, [bool(e.needs_clarification) for e in held], held_before) if held else None
     curve = label_curve(examples, x, y, before_scores, prior, start, seed, held_eval, whole=estimate["auroc"])
     if curve.get("verdict"):
@@ -163,6 +172,90 @@ def adapt_head(model_uri: str, examples: list, out: str | Path, *, start: str = 
         "fn": at["fn"], "tn": at["tn"], "fp": at["fp"], "rule": rule}))
     (dst / "adapt.json").write_text(json.dumps(summary, indent=2) + "\n")
     return {**summary, "folder": str(dst)}
+
+
+def compare_kept_apart(held: list, trained: dict, head_only: dict, seed: int = 0) -> dict:
+    """The LoRA continuation against the head refit alone on the same kept-apart turns (their ``kept_apart``
+    summaries): each one's AUROC and the paired bootstrap interval of the difference, with a verdict."""
+    from clarifier.core.metrics import auroc, paired_bootstrap
+
+    ids = [e.id for e in held]
+    gold = [bool(e.needs_clarification) for e in held]
+    a, b = (trained.get("turns") or {}), (head_only.get("turns") or {})
+    if not ids or any(i not in a or i not in b for i in ids):
+        return {"verdict": "no comparison: the two models were not scored on the same kept-apart turns"}
+    sa, sb = [a[i] for i in ids], [b[i] for i in ids]
+    boot = paired_bootstrap(gold, {"lora": ([False] * len(ids), sa), "head": ([False] * len(ids), sb)},
+                            reference="head", seed=seed)["systems"]["lora"]
+    iv = boot.get("auroc_diff")
+    diff = None if auroc(gold, sa) is None or auroc(gold, sb) is None else auroc(gold, sa) - auroc(gold, sb)
+    if iv is None or diff is None:
+        verdict = "no comparison: the kept-apart turns need both classes"
+    elif iv[0] > 0:
+        verdict = f"the LoRA continuation ranks the kept-apart turns better: {diff:+.3f} AUROC [{iv[0]:+.3f}, {iv[1]:+.3f}]"
+    elif iv[1] < 0:
+        verdict = (f"the LoRA continuation ranks the kept-apart turns worse than the head refit alone: {diff:+.3f} "
+                   f"AUROC [{iv[0]:+.3f}, {iv[1]:+.3f}]; serve the head refit (clarifier adapt without --train)")
+    else:
+        verdict = (f"no measured difference from the head refit alone on {len(ids)} kept-apart turns: {diff:+.3f} "
+                   f"AUROC [{iv[0]:+.3f}, {iv[1]:+.3f}]; the head refit is cheaper to make and to keep")
+    return {"n": len(ids), "lora_auroc": auroc(gold, sa), "head_only_auroc": auroc(gold, sb), "auroc_diff": diff,
+            "auroc_diff_interval": iv, "verdict": verdict}
+
+
+def check_train_labels(examples: list) -> tuple[int, int]:
+    """``(fitted, kept apart)`` labelled turns, or :class:`AdaptError` when a LoRA continuation has too few."""
+    held = sum(1 for e in examples if is_kept_apart(e))
+    fitted = len(examples) - held
+    if fitted < MIN_TRAIN_LABELS or held < MIN_TRAIN_KEPT_APART:
+        raise AdaptError(
+            f"--train: {fitted} labelled turns to train on and {held} kept apart; a LoRA continuation needs at least "
+            f"{MIN_TRAIN_LABELS} and {MIN_TRAIN_KEPT_APART} (the kept-apart slice of a `clarifier label select` queue "
+            "is the only honest figure for a model trained on the labels). Refit the head alone (no --train) and see "
+            "the label curve for how many more labels to get")
+    return fitted, held
+
+
+def continue_adapter(cfg, model_uri: str, examples: list, name: str, *, minutes: float,
+                     progress: Callable[[str], None] = print) -> dict:
+    """Train the LoRA adapter of ``model_uri`` further on the labelled turns ``examples`` (the kept-apart slice
+    left out): the data job over them (train and dev splits by conversation) and the training job of ``cfg``
+    (Ray Train, DeepSpeed, MLflow) from that adapter (``model.init_from``), on the model's own base and prompt, for
+    ``minutes``, no head fitted (:func:`adapt_head` fits it next). The labels and the data job's output go under
+    ``<storage.root>/adapt-train/<name>/`` (a prefix every node reads, on a cluster). Returns ``{model_dir, run_id,
+    steps, seconds, data_input, ...}``. Ray must be initialised."""
+    from clarifier.data.pipeline import prepare
+    from clarifier.engine.inference import read_meta
+    from clarifier.engine.loading import resolve_model
+    from clarifier.runtime import storage
+    from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
+    from clarifier.train.trainer import train as run_train
+
+    fitted = [e for e in examples if not is_kept_apart(e)]
+    resolved = resolve_model(model_uri, cfg.model.cache_dir, resolve_tracking_uri(cfg.tracking.tracking_uri))
+    meta = read_meta(resolved.folder)
+    root = cfg.storage.root if storage.is_s3(cfg.storage.root) else str(Path(cfg.storage.root).expanduser().resolve())
+    base = storage.join(root, "adapt-train", name)
+    data_input = storage.join(base, "input")
+    storage.delete_dir(data_input)
+    storage.write_text(storage.join(data_input, "labels.jsonl"), "".join(e.model_dump_json() + "\n" for e in fitted))
+    prompt = {k: v for k, v in (meta.prompt or {}).items() if k in type(cfg.model).model_fields}
+    c = cfg.model_copy(deep=True)
+    c.data = c.data.model_copy(update={"input": data_input, "output": storage.join(base, "data"), "sources": [],
+                                       "split": {"train": 0.9, "dev": 0.1, "test": 0.0}})
+    c.model = c.model.model_copy(update={"base_model": meta.base_model, "init_from": str(resolved.folder),
+                                         "finetune": "lora", **prompt})
+    c.train = c.train.model_copy(update={
+        "max_minutes": minutes, "run_name": None,
+        "decision_head": c.train.decision_head.model_copy(update={"enabled": False}),
+        "learning_curve": c.train.learning_curve.model_copy(update={"every": 0})})
+    progress(f"[adapt] LoRA continuation of {model_uri} on {len(fitted)} labelled turns for up to {minutes:g} min: "
+             f"the data job ({base}), then Ray Train from its adapter")
+    t0 = time.time()
+    prepare(c, progress=progress)
+    res = run_train(c, progress=progress)
+    return {"model_dir": res.model_dir, "run_id": res.run_id, "steps": res.steps, "minutes": minutes,
+            "seconds": round(time.time() - t0, 1), "labelled_turns": len(fitted), "data_input": data_input}
 
 
 def select_head(x, y, before_scores, prior, start: str, seed: int) -> tuple[dict, str]:
