@@ -67,6 +67,18 @@ def parse_labels(text: str) -> list[int | None]:
     return out
 
 
+def parse_in_domain(items: list[str]) -> list[tuple[str, str, str]]:
+    """``--in-domain NAME=RESULT.json:MODEL`` options -> ``(name, result file, model key)``."""
+    out = []
+    for item in items:
+        name, _, rest = item.partition("=")
+        path, _, key = rest.rpartition(":")
+        if not (name and path and key):
+            raise SystemExit(f"--in-domain {item!r}: expected NAME=RESULT.json:MODEL")
+        out.append((name, path, key))
+    return out
+
+
 def draw_labelled(pool: list, k: int, seed: int) -> list:
     """``k`` turns drawn at random from ``pool``, holding at least two of each class (redrawn up to 100 times)."""
     if k < 4:
@@ -134,13 +146,7 @@ def main() -> None:
         heads += [h + "_b" for h in heads if h != "mixed"]
     if args.draws < 1:
         raise SystemExit("--draws: at least 1")
-    in_domain = []
-    for item in args.in_domain:
-        name, _, rest = item.partition("=")
-        path, _, key = rest.rpartition(":")
-        if not (name and path and key):
-            raise SystemExit(f"--in-domain {item!r}: expected NAME=RESULT.json:MODEL")
-        in_domain.append((name, path, key))
+    in_domain = parse_in_domain(args.in_domain)
 
     import numpy as np
 
