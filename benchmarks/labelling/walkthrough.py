@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--source", required=True)
     ap.add_argument("--model", required=True, help="the model to start from (ideally trained without --source)")
     ap.add_argument("--n", type=int, default=300, help="turns to queue and label")
+    ap.add_argument("--max-logs", type=int, default=None, help="a smoke run: this many of the train turns as the logs")
+    ap.add_argument("--max-test", type=int, default=None, help="a smoke run: this many test turns")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".clarifier" / "walkthrough")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -76,11 +78,28 @@ def main() -> None:
     (work / "chat-logs").mkdir(parents=True)
     train = [e for e in load_split(args.data, "train") if source_of(e) == args.source]
     test = [e for e in load_split(args.data, "test") if source_of(e) == args.source]
-    gold = {e.id: e for e in train}
-    keep = {"id", "history", "query", "passages", "meta"}
-    (work / "chat-logs" / "part-0.jsonl").write_text("".join(
-        json.dumps({k: v for k, v in e.model_dump(mode="json", exclude_none=True).items() if k in keep}) + "\n"
-        for e in train))  # the team's logs: no labels
+    if args.max_logs:  # whole conversations, the first ones by id
+        convs = sorted({e.conversation_id for e in train})[: max(1, args.max_logs // 5)]
+        train = [e for e in train if e.conversation_id in set(convs)][: args.max_logs]
+    if args.max_test:
+        test = test[: args.max_test]
+    # the team's logs: one conversation log per conversation (its longest turn's history and query, each user turn with
+    # its passages), no labels; the labels kept aside by the turn ids the audit's reader gives (conversation:index)
+    by_conv: dict[str, list] = {}
+    for e in train:
+        by_conv.setdefault(e.conversation_id, []).append(e)
+    gold, lines = {}, []
+    for cid, turns_of in sorted(by_conv.items()):
+        longest = max(turns_of, key=lambda e: len(e.history))
+        turns = [{"role": t.role, "text": t.text} for t in longest.history] + [{"role": "user", "text": longest.query}]
+        for e in turns_of:
+            i = len(e.history)
+            if i < len(turns) and turns[i]["role"] == "user" and turns[i]["text"] == e.query:
+                if e.passages:
+                    turns[i]["passages"] = [p.model_dump(mode="json", exclude_none=True) for p in e.passages]
+                gold[f"{cid}:{i}"] = e
+        lines.append(json.dumps({"conversation_id": cid, "turns": turns}))
+    (work / "chat-logs" / "part-0.jsonl").write_text("".join(line + "\n" for line in lines))
     (work / "test.jsonl").write_text("".join(e.model_dump_json() + "\n" for e in test))
     print(f"[walkthrough] {args.source}: {len(train)} unlabelled turns as the team's logs, {len(test)} test turns",
           flush=True)
@@ -106,7 +125,10 @@ def main() -> None:
                 item = client.get("/api/next").json()["item"]
                 if item is None:
                     break
-                e = gold[item["id"]]
+                e = gold.get(item["id"])
+                if e is None:  # a user turn of the logs that is no labelled turn of the source: skipped
+                    client.post("/api/label", json={"id": item["id"], "decision": "skip"}).raise_for_status()
+                    continue
                 body = {"id": item["id"], "decision": "clarify" if e.needs_clarification else "clear"}
                 if e.needs_clarification and e.clarifying_question:
                     body["question"] = e.clarifying_question
@@ -175,6 +197,7 @@ def main() -> None:
 
     result = {
         "data": args.data, "source": args.source, "model": args.model,
+        "smoke": {"max_logs": args.max_logs, "max_test": args.max_test},
         "n": {"logs": len(train), "test": len(test), "test_clarify": sum(bool(e.needs_clarification) for e in test),
               "queued": len(queue), "kept_apart": sum(1 for r in queue if r["meta"]["queue"]["part"] == "kept_apart"),
               "queued_again": len(queue2),
