@@ -135,3 +135,10 @@ def test_label_select_on_the_request_log_queues_each_turn_once_with_its_prelabel
     assert manifest["request_log"] is True and manifest["counts"]["turns"] == 24
     assert manifest["prelabelled"]["turns"] == sum(1 for r in q if r["meta"].get("prelabel"))
     assert manifest["counts"]["records"] == 25 and manifest["counts"]["quarantined"] == 1
+
+    # the audit reads the same request log the same way: 24 user turns, not every request's history again (48)
+    res = CliRunner().invoke(app, ["audit", "--logs", str(logs), "--model", str(tiny_adapter), "--out",
+                                   str(tmp_path / "audit"), f"audit.signals.reformulation.encoder={encoder}",
+                                   "audit.bootstrap=200", "audit.sample_questions=4", "audit.batch_size=4"])
+    assert res.exit_code == 0, res.output
+    assert "a serving request log" in res.output and "24 user turns, 1 quarantined" in res.output

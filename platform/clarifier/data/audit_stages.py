@@ -264,3 +264,23 @@ def request_log_turn_rows(group: pa.Table, *, audit: dict, labelling: dict, min_
                  "n_turns": kinds.count("turn"), "n_quarantined": kinds.count("quarantine"),
                  "n_lines_with_turns": len(records) if "turn" in kinds else 0})
     return pa.Table.from_pylist(rows, schema=audit_schema(cfg.segments))
+
+
+def read_log_turns(ray, paths: list[str], *, filesystem, scheme: str, audit: dict, labelling: dict,
+                   min_overlap: float, request_log: bool, **remote):
+    """The audit's and ``label select``'s read stage as a Ray Dataset of :func:`audit_schema` rows: chat logs through
+    :func:`parse_audit_files`; a serving request log (``request_log``: :func:`first_record_is_request_log`) through
+    :func:`clarifier.data.stages.read_request_records` and a ``groupby`` per conversation into
+    :func:`request_log_turn_rows` (each turn once, with its pre-label). ``remote``: Ray options of the read."""
+    from clarifier.data.stages import read_request_records
+
+    items = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=min(len(paths), 200))
+    if not request_log:
+        return items.map_batches(parse_audit_files, batch_size=1, batch_format="pyarrow",
+                                 fn_kwargs={"filesystem": filesystem, "scheme": scheme, "audit": audit}, **remote)
+    records = items.map_batches(read_request_records, batch_size=1, batch_format="pyarrow",
+                                fn_kwargs={"filesystem": filesystem, "scheme": scheme}, **remote)
+    partitions = max(1, min(200, 4 * len(paths)))  # not Ray's default 200 for a few files
+    return records.groupby("conversation_id", num_partitions=partitions).map_groups(
+        request_log_turn_rows, batch_format="pyarrow", num_cpus=remote.get("num_cpus", 1),
+        fn_kwargs={"audit": audit, "labelling": labelling, "min_overlap": min_overlap})

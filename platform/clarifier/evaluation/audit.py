@@ -44,7 +44,8 @@ import pyarrow as pa
 from clarifier.core.config import ClarifierConfig
 from clarifier.core.prevalence import ErrorRates, share_estimate, verdict
 from clarifier.data.pipeline import SUFFIXES  # the data job's input formats, read the same way
-from clarifier.data.audit_stages import FILE_COUNTS, QUARANTINE_COLUMNS, parse_audit_files, segment_column
+from clarifier.data.audit_stages import (FILE_COUNTS, QUARANTINE_COLUMNS, first_record_is_request_log, read_log_turns,
+                                         segment_column)
 from clarifier.data.signals import SIGNALS
 from clarifier.runtime import storage
 
@@ -473,10 +474,16 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
     scheme = "s3://" if storage.is_s3(a.logs) else ""
     paths = [storage.filesystem(f)[1] for f in files]
 
+    request_log = first_record_is_request_log(fs, paths)
+    if request_log:
+        progress("[audit] the logs are a serving request log: each conversation put back together from its requests, "
+                 "each turn counted once")
+
     def read(**remote):
-        return ray.data.from_items([{"path": p} for p in paths], override_num_blocks=min(len(paths), 200)).map_batches(
-            parse_audit_files, batch_size=1, batch_format="pyarrow",
-            fn_kwargs={"filesystem": fs, "scheme": scheme, "audit": a.model_dump()}, **remote)
+        return read_log_turns(ray, paths, filesystem=fs, scheme=scheme, audit=a.model_dump(),
+                              labelling=cfg.data.labelling.model_dump(),
+                              min_overlap=cfg.data.request_log.min_reformulation_overlap, request_log=request_log,
+                              **remote)
 
     # Pass 1, without the model: the counts and the quarantine (only those rows are kept: small).
     # Pass 2 reads the logs again and streams the turns through the scorer pool into Parquet, so no

@@ -116,8 +116,7 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
     from clarifier.core.schema import Example
     from clarifier.core.selection import active_selection, kept_apart_slice
     from clarifier.data.audit_stages import (FILE_COUNTS, QUARANTINE_COLUMNS, first_record_is_request_log,
-                                             parse_audit_files, request_log_turn_rows)
-    from clarifier.data.stages import read_request_records
+                                             read_log_turns)
     from clarifier.data.pipeline import SUFFIXES
     from clarifier.engine.inference import read_meta
     from clarifier.engine.loading import resolve_model
@@ -157,17 +156,10 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
                  "turns that what happened next labels get a pre-label to confirm")
 
     def read(**remote):
-        items = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=min(len(paths), 200))
-        if not request_log:
-            return items.map_batches(parse_audit_files, batch_size=1, batch_format="pyarrow",
-                                     fn_kwargs={"filesystem": fs, "scheme": scheme, "audit": a.model_dump()}, **remote)
-        records = items.map_batches(read_request_records, batch_size=1, batch_format="pyarrow",
-                                    fn_kwargs={"filesystem": fs, "scheme": scheme}, **remote)
-        partitions = max(1, min(200, 4 * len(paths)))  # not Ray's default 200 for a few files
-        return records.groupby("conversation_id", num_partitions=partitions).map_groups(
-            request_log_turn_rows, batch_format="pyarrow", num_cpus=remote.get("num_cpus", 1),
-            fn_kwargs={"audit": a.model_dump(), "labelling": cfg.data.labelling.model_dump(),
-                       "min_overlap": cfg.data.request_log.min_reformulation_overlap})
+        return read_log_turns(ray, paths, filesystem=fs, scheme=scheme, audit=a.model_dump(),
+                              labelling=cfg.data.labelling.model_dump(),
+                              min_overlap=cfg.data.request_log.min_reformulation_overlap, request_log=request_log,
+                              **remote)
 
     with _small_blocks():
         parsed = read().filter(expr=col("kind") != "turn").materialize()
