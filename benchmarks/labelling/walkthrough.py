@@ -184,7 +184,7 @@ def main() -> None:
             proc.kill()
     if answer is None:
         raise SystemExit(f"clarifier serve did not answer in 15 minutes: see {logs / 'serve.log'}")
-    steps["serve"] = {"command": f"clarifier serve serve.model_uri=./my-clarifier",
+    steps["serve"] = {"command": "clarifier serve serve.model_uri=./my-clarifier",
                       "seconds": round(time.time() - t0, 1), "minutes": round((time.time() - t0) / 60, 2),
                       "what": "from the command to its first answer of POST /v1/clarify", "answer": answer}
     print(f"[walkthrough] serve: first answer after {steps['serve']['minutes']:.1f} min", flush=True)

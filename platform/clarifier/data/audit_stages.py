@@ -259,10 +259,9 @@ def request_log_turn_rows(group: pa.Table, *, audit: dict, labelling: dict, min_
                         turn = json.loads(row["turn_json"])
                         turn["id"] = row["id"]
                         row["turn_json"] = json.dumps(turn, ensure_ascii=False)
-    kinds = [r["kind"] for r in rows]
-    rows.append({"kind": "file", "source": sources[0], "n_lines": len(records), "n_blank": 0,
-                 "n_turns": kinds.count("turn"), "n_quarantined": kinds.count("quarantine"),
-                 "n_lines_with_turns": len(records) if "turn" in kinds else 0})
+    counts = _file_row(sources[0], rows, len(records), 0)
+    counts["n_lines_with_turns"] = len(records) if counts["n_turns"] else 0  # every record fed the turns read once
+    rows.append(counts)
     return pa.Table.from_pylist(rows, schema=audit_schema(cfg.segments))
 
 
