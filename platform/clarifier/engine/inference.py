@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from clarifier.engine.decision_head import POOLINGS, DecisionHead
+from clarifier.engine.decode import make_decoder, positions_from_mask
 from clarifier.engine.target_constraint import TargetConstraint, grammar_for, vocab_index
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from clarifier.engine.precision import place, resolve_precision, torch_dtype
@@ -118,12 +119,6 @@ def num_layers(folder: str | Path, cache_dir=None) -> int:
     return int(getattr(config, "num_hidden_layers", None) or config.get_text_config().num_hidden_layers)
 
 
-def positions_from_mask(attention_mask):
-    """Position ids of left-padded rows, as ``generate`` computes them: real tokens count from 0."""
-    pos = attention_mask.long().cumsum(-1) - 1
-    return pos.masked_fill(attention_mask == 0, 0)
-
-
 @dataclass
 class DecisionPass:
     """What the decision forward pass leaves for generation: its inputs and its KV cache."""
@@ -141,7 +136,7 @@ class ClarifierEngine:
 
     def __init__(self, model, tokenizer, *, threshold: float = 0.5, version: str = "local",
                  prompt_opts: PromptOptions | None = None, max_new_tokens: int = 48,
-                 constrain_target: bool = True, decision_head: DecisionHead | None = None):
+                 constrain_target: bool = True, decision_head: DecisionHead | None = None, decode: str = "auto"):
         import torch
 
         self.model = model.eval()
@@ -167,6 +162,14 @@ class ClarifierEngine:
         if decision_head is not None:
             decision_head.check(model.config.num_hidden_layers, model.config.hidden_size)
         self.decision_head = decision_head
+        self.decoder = make_decoder(model, decode)
+
+    @property
+    def decode_path(self) -> str:
+        """How questions are decoded: ``fast`` / ``fast-bf16`` (:mod:`clarifier.engine.decode`) or ``generate``."""
+        if self.decoder is None:
+            return "generate"
+        return "fast-bf16" if self.decoder.weights == "bf16" else "fast"
 
     @property
     def precision(self) -> str:
@@ -178,7 +181,7 @@ class ClarifierEngine:
     @classmethod
     def from_folder(cls, folder: str | Path, *, version: str = "local", cache_dir=None,
                     threshold: float | None = None, max_new_tokens: int = 48, precision: str = "auto",
-                    device: str = "cpu", decision_head: bool = True) -> "ClarifierEngine":
+                    device: str = "cpu", decision_head: bool = True, decode: str = "auto") -> "ClarifierEngine":
         """Load a joint Clarifier model folder: base model + LoRA adapter (merged for speed), or the fully
         fine-tuned weights, in ``precision`` (``auto`` / ``bf16`` / ``fp32``, resolved for ``device``), with
         its decision head when it has one (``decision_head=False``: decide from the decision-token logits).
@@ -190,17 +193,18 @@ class ClarifierEngine:
         tok = load_tokenizer(str(folder))
         return cls(place(model, device), tok, threshold=meta.threshold if threshold is None else threshold,
                    version=version, prompt_opts=meta.prompt_options(), max_new_tokens=max_new_tokens,
-                   decision_head=DecisionHead.load(folder) if decision_head else None)
+                   decision_head=DecisionHead.load(folder) if decision_head else None, decode=decode)
 
     @classmethod
     def from_base(cls, base_model: str, *, cache_dir=None, threshold: float = 0.5,
                   prompt_opts: PromptOptions | None = None, max_new_tokens: int = 48, precision: str = "auto",
-                  device: str = "cpu") -> "ClarifierEngine":
+                  device: str = "cpu", decode: str = "auto") -> "ClarifierEngine":
         """The untrained base model, prompted with the same prompt (the zero-shot baseline)."""
         path = resolve_base_model(base_model, cache_dir)
         model = load_causal_lm(path, dtype=torch_dtype(resolve_precision(precision, device)))
         return cls(place(model, device), load_tokenizer(path), threshold=threshold,
-                   version=f"base:{base_model}", prompt_opts=prompt_opts, max_new_tokens=max_new_tokens)
+                   version=f"base:{base_model}", prompt_opts=prompt_opts, max_new_tokens=max_new_tokens,
+                   decode=decode)
 
     # ---- core ---------------------------------------------------------------------------------
 
@@ -313,12 +317,13 @@ class ClarifierEngine:
 
     def _generate_ids(self, enc: dict, items: list[tuple], cache=None):
         """Greedy decoding after ``enc`` (prompt + forced ``decision: clarify`` line): the new token ids."""
-        with self._torch.inference_mode():
-            out = self.model.generate(
-                **enc, past_key_values=cache, max_new_tokens=self.max_new_tokens, do_sample=False,
-                eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
-                logits_processor=self._target_constraint(enc, items),
-            )
+        kw = dict(past_key_values=cache, max_new_tokens=self.max_new_tokens, eos_token_id=self.tok.eos_token_id,
+                  pad_token_id=self.tok.pad_token_id, logits_processor=self._target_constraint(enc, items))
+        if self.decoder is not None:
+            out = self.decoder.generate(enc["input_ids"], enc["attention_mask"], **kw)
+        else:
+            with self._torch.inference_mode():
+                out = self.model.generate(**enc, do_sample=False, **kw)
         return out[:, enc["input_ids"].shape[1]:]
 
     def _texts(self, new_ids) -> list[str]:

@@ -107,10 +107,11 @@ def download_once(key: str, cache_dir, fetch: Callable[[str], object]) -> Path:
 
 def load_engine(uri: str | Path, *, version: str | None = None, download_dir=None, tracking_uri: str | None = None,
                 cache_dir=None, threshold: float | None = None, max_new_tokens: int = 48, precision: str = "auto",
-                device: str = "cpu", decision_head: bool = True):
+                device: str = "cpu", decision_head: bool = True, decode: str = "auto"):
     """Resolve ``uri`` and load the engine its folder holds (joint or pipeline) in ``precision`` on
     ``device``. ``download_dir`` caches downloaded model folders; ``cache_dir`` base-model weights;
-    ``decision_head=False`` ignores a decision head the folder holds (the decision-token logits decide)."""
+    ``decision_head=False`` ignores a decision head the folder holds (the decision-token logits decide); ``decode``:
+    :data:`clarifier.engine.decode.DECODE_MODES`."""
     from clarifier.engine.inference import ClarifierEngine
     from clarifier.engine.pipeline import PipelineEngine, is_pipeline_folder
 
@@ -118,4 +119,4 @@ def load_engine(uri: str | Path, *, version: str | None = None, download_dir=Non
     cls = PipelineEngine if is_pipeline_folder(resolved.folder) else ClarifierEngine
     return cls.from_folder(resolved.folder, version=version or resolved.version, cache_dir=cache_dir,
                            threshold=threshold, max_new_tokens=max_new_tokens, precision=precision, device=device,
-                           decision_head=decision_head)
+                           decision_head=decision_head, decode=decode)

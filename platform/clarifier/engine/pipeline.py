@@ -45,7 +45,7 @@ class PipelineEngine(ClarifierEngine):
     @classmethod
     def from_folder(cls, folder: str | Path, *, version: str = "local", cache_dir=None,
                     threshold: float | None = None, max_new_tokens: int = 48, precision: str = "auto",
-                    device: str = "cpu", decision_head: bool = True) -> "PipelineEngine":
+                    device: str = "cpu", decision_head: bool = True, decode: str = "auto") -> "PipelineEngine":
         from peft import PeftModel
 
         folder = Path(folder)
@@ -65,7 +65,8 @@ class PipelineEngine(ClarifierEngine):
         model = place(model.to(torch_dtype(resolve_precision(precision, device))), device)
         return cls(model, tok, threshold=meta.threshold if threshold is None else threshold, version=version,
                    prompt_opts=meta.prompt_options(), max_new_tokens=max_new_tokens,
-                   decision_head=DecisionHead.load(folder) if decision_head else None)  # read with "when"'s states
+                   decision_head=DecisionHead.load(folder) if decision_head else None,  # read with "when"'s states
+                   decode="generate")  # PEFT switches adapters between the parts: no fused weights
 
     def _decision_pass(self, items: list[tuple], keep_cache: bool = False, layers: list[int] | None = None,
                        pooling=("last",)):

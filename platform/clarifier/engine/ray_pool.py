@@ -51,7 +51,8 @@ def engine_from_spec(spec: dict, cpus: float = 1):
         return ClarifierEngine.from_base(
             spec["base_model"], cache_dir=spec.get("cache_dir"), threshold=float(spec.get("threshold", 0.5)),
             prompt_opts=PromptOptions(**(spec.get("prompt") or {})),
-            max_new_tokens=int(spec.get("max_new_tokens", 48)), precision=precision, device=device)
+            max_new_tokens=int(spec.get("max_new_tokens", 48)), precision=precision, device=device,
+            decode=spec.get("decode", "auto"))
     from clarifier.engine.loading import load_engine
 
     shipped = "model_ref" in spec  # a folder of the driver's disk, unpacked on this node; named as the driver knows it
@@ -59,7 +60,7 @@ def engine_from_spec(spec: dict, cpus: float = 1):
         _unpacked(spec) if shipped else spec["model_uri"], version=spec.get("model_from") if shipped else None,
         download_dir=spec.get("download_dir"), tracking_uri=spec.get("tracking_uri"), cache_dir=spec.get("cache_dir"),
         max_new_tokens=int(spec.get("max_new_tokens", 48)), precision=precision, device=device,
-        decision_head=bool(spec.get("decision_head", True)))
+        decision_head=bool(spec.get("decision_head", True)), decode=spec.get("decode", "auto"))
 
 
 SHIPPED_DIR = "clarifier-shipped"  # under the node's temp dir: <digest>/ per model folder shipped

@@ -202,7 +202,7 @@ def evaluate(cfg: ClarifierConfig, model_uri: str, data: str | None = None, *, r
     resolved = resolve_model(model_uri, tracking_uri=tracking_uri)
     meta = read_meta(resolved.folder)
     spec = {"model_uri": model_uri, "tracking_uri": tracking_uri, "cache_dir": cfg.model.cache_dir,
-            "max_new_tokens": cfg.eval.max_new_tokens, "precision": cfg.model.precision}
+            "max_new_tokens": cfg.eval.max_new_tokens, "precision": cfg.model.precision, "decode": cfg.model.decode}
     sim_fn, sim_info = similarity_fn_for(cfg, progress)
 
     def row(preds, **extra) -> dict:
@@ -338,7 +338,8 @@ def _model_predictions(cfg: ClarifierConfig, spec: dict, resolved, examples: lis
     engine = None
     if cfg.eval.engine == "local":
         engine = load_engine(resolved.folder, version=resolved.version, cache_dir=cfg.model.cache_dir,
-                             max_new_tokens=cfg.eval.max_new_tokens, precision=cfg.model.precision)
+                             max_new_tokens=cfg.eval.max_new_tokens, precision=cfg.model.precision,
+                             decode=cfg.model.decode)
     else:  # a folder on this disk reaches actors on other nodes through the object store
         from clarifier.engine.ray_pool import model_fields
         from clarifier.runtime.cluster import init_ray

@@ -160,7 +160,8 @@ def build_app(cfg: ServeConfig, tracking_uri: Optional[str] = None) -> serve.App
     model_opts, ingress_opts = deployment_options(cfg, _forwarded_env(tracking_uri))
     engine_args = dict(max_new_tokens=cfg.max_new_tokens, tracking_uri=tracking_uri, max_batch_size=cfg.max_batch_size,
                        batch_wait_timeout_s=cfg.batch_wait_timeout_s, model_refresh_s=cfg.model_refresh_s,
-                       use_gpu=cfg.gpus_per_replica > 0, precision=cfg.precision, cpus=cfg.cpus_per_replica)
+                       use_gpu=cfg.gpus_per_replica > 0, precision=cfg.precision, cpus=cfg.cpus_per_replica,
+                       decode=cfg.decode)
     model = ClarifierModel.options(**model_opts).bind(cfg.model_uri, **engine_args)
     shadow = None
     if cfg.shadow_model_uri:

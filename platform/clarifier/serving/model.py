@@ -38,7 +38,8 @@ class _Failed:
 
 
 def replica_engine(uri: str, *, max_new_tokens: int = 48, tracking_uri: Optional[str] = None,
-                   cache_dir: Optional[str] = None, use_gpu: bool = False, precision: str = "auto"):
+                   cache_dir: Optional[str] = None, use_gpu: bool = False, precision: str = "auto",
+                   decode: str = "auto"):
     """The replica's engine for ``uri`` in ``precision`` (on CUDA when ``use_gpu``); ``cache_dir``
     caches downloaded model folders."""
     from clarifier.engine.loading import load_engine
@@ -46,7 +47,7 @@ def replica_engine(uri: str, *, max_new_tokens: int = 48, tracking_uri: Optional
 
     try:
         return load_engine(uri, download_dir=cache_dir, tracking_uri=tracking_uri, max_new_tokens=max_new_tokens,
-                           precision=precision, device="cuda" if use_gpu else "cpu")
+                           precision=precision, device="cuda" if use_gpu else "cpu", decode=decode)
     except ModelResolutionError as exc:
         if use_gpu and "CUDA" in str(exc):
             raise ServingError("gpus_per_replica > 0 but CUDA is not available in the model replica") from exc
@@ -60,14 +61,14 @@ class ClarifierModel:
     def __init__(self, model_uri: str, max_new_tokens: int = 48, tracking_uri: Optional[str] = None,
                  max_batch_size: int = 8, batch_wait_timeout_s: float = 0.05,
                  cache_dir: Optional[str] = None, model_refresh_s: float = 0.0, use_gpu: bool = False,
-                 ray_metrics: bool = True, precision: str = "auto", cpus: float = 1):
+                 ray_metrics: bool = True, precision: str = "auto", cpus: float = 1, decode: str = "auto"):
         from clarifier.engine.precision import set_threads
 
         self.metrics = ModelMetrics(ray=ray_metrics)
         # Exactly the CPUs this replica reserved, so replicas on one node do not oversubscribe it.
         threads = set_threads(cpus)
         load = functools.partial(replica_engine, max_new_tokens=max_new_tokens, tracking_uri=tracking_uri,
-                                 cache_dir=cache_dir, use_gpu=use_gpu, precision=precision)
+                                 cache_dir=cache_dir, use_gpu=use_gpu, precision=precision, decode=decode)
         alias = parse_alias_uri(model_uri)
         probe = mlflow_alias_probe(alias[0], alias[1], tracking_uri) if alias and model_refresh_s > 0 else None
         self.lifecycle = ModelLifecycle(load, model_uri, probe=probe, refresh_s=model_refresh_s,
@@ -76,8 +77,9 @@ class ClarifierModel:
         self.lifecycle.load_initial()
         self.metrics.load_s.observe(time.time() - t0)
         self.metrics.info.set(1, version=self.lifecycle.version)
-        log.info("model %s loaded in %.1f s: precision %s, %d torch thread(s), %s, max batch %d",
-                 self.lifecycle.version, time.time() - t0, self.lifecycle.engine.precision, threads,
+        log.info("model %s loaded in %.1f s: precision %s, decode %s, %d torch thread(s), %s, max batch %d",
+                 self.lifecycle.version, time.time() - t0, self.lifecycle.engine.precision,
+                 self.lifecycle.engine.decode_path, threads,
                  "cuda" if use_gpu else "cpu", max_batch_size)
         self._clarify_batch.set_max_batch_size(max_batch_size)
         self._clarify_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)

