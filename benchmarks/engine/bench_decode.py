@@ -56,11 +56,8 @@ def _median(xs):
     return round(statistics.median(xs), 3) if xs else None
 
 
-def clarifier_rows(engine, items, threads: int, new: int, repeats: int) -> dict:
-    """Prefill tokens/s (the decision pass, one prompt per call) and decode ms/token of ``engine``."""
-    import torch
-
-    torch.set_num_threads(threads)
+def clarifier_rows(engine, items, repeats: int) -> dict:
+    """Prefill tokens/s of ``engine``'s decision pass, one prompt per call (the fastest of ``repeats``)."""
     prefill, tokens = [], []
     for it in items:
         engine.score([it])  # warm: first-call allocations
@@ -222,7 +219,7 @@ def main() -> None:
     rows: dict = {}
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        row = {"clarifier": clarifier_rows(engines["generate"], items, threads, args.new, args.repeats)}
+        row = {"clarifier": clarifier_rows(engines["generate"], items, args.repeats)}
         for m in MODES:
             row[m] = {"decode_ms_per_token": decode_ms(engines[m], items, args.new, args.repeats),
                       **request_costs(engines[m], reqs[: args.prompts], 1)}

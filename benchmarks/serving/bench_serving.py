@@ -16,7 +16,9 @@ ratios compare like with like):
   ``POST /v1/clarify``: throughput (answers/s) and latency p50/p95/p99/mean (ms), error counts.
   Variants: ``batched`` (``max_batch_size=--batch-size``) and ``unbatched`` (``max_batch_size=1``)
   in the default precision (``serve.precision=auto``: bf16 on a CPU with AVX512-BF16/AMX), and
-  ``fp32_batched`` (``serve.precision=fp32``) at ``--precision-levels``.
+  ``fp32_batched`` (``serve.precision=fp32``) at ``--precision-levels``; ``generate_batched`` and
+  ``always_generate_generate`` (``serve.decode=generate``: transformers' generate instead of the engine's fast decode
+  path) at ``--decode-levels``.
 * ``always_generate``: the batched deployment of the same adapter with its threshold forced to 0,
   so every request decodes a question (no decision fast path), at ``--fast-path-levels``.
 * ``burst``: the default queue policy (``serve.max_queued_requests: null``: admission from
@@ -296,6 +298,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--levels", default="1,8,32", help="concurrency levels (comma separated)")
     ap.add_argument("--fast-path-levels", default="1,8", help="levels for the always-generate comparison")
     ap.add_argument("--precision-levels", default="1,8", help="levels for the fp32 deployment (empty: skip)")
+    ap.add_argument("--decode-levels", default="1,8", help="levels for the serve.decode=generate deployments (empty: "
+                                                           "skip)")
     ap.add_argument("--requests", type=int, default=64, help="requests per level (after warm-up)")
     ap.add_argument("--budget", type=float, default=5.0, help="serve.latency_budget_s of the burst variant")
     ap.add_argument("--burst", type=int, default=64, help="requests sent at once in the burst variant (0: skip)")
@@ -327,6 +331,7 @@ def main(argv: list[str]) -> None:
     levels = [int(x) for x in a.levels.split(",") if x.strip()]
     fp_levels = [int(x) for x in a.fast_path_levels.split(",") if x.strip()]
     prec_levels = [int(x) for x in a.precision_levels.split(",") if x.strip()]
+    dec_levels = [int(x) for x in a.decode_levels.split(",") if x.strip()]
     work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     payloads = build_workload(max(a.requests, 100), a.clear_share)
     payload_file = work / "payloads.json"
@@ -376,13 +381,17 @@ def main(argv: list[str]) -> None:
         variants["unbatched"] = (folder, 1, levels, {})
     if prec_levels:
         variants["fp32_batched"] = (folder, a.batch_size, prec_levels, {"precision": "fp32"})
+    if dec_levels:
+        variants["generate_batched"] = (folder, a.batch_size, dec_levels, {"decode": "generate"})
+        variants["always_generate_generate"] = (always, a.batch_size, dec_levels, {"decode": "generate"})
     results: dict = {}
     burst: dict | None = None
     old_keys = os.environ.pop("CLARIFIER_API_KEYS", None)  # benchmark the API without auth
     try:
         for name, (model_folder, bs, lv, extra) in variants.items():
             cfg = ServeConfig(model_uri=str(model_folder), max_batch_size=bs, **{**base, **extra})
-            print(f"[bench] deploying {name} (max_batch_size={bs}, precision {cfg.precision})", flush=True)
+            print(f"[bench] deploying {name} (max_batch_size={bs}, precision {cfg.precision}, decode {cfg.decode})",
+                  flush=True)
             url = run_local(cfg, tracking_uri=a.tracking_uri, ready_timeout_s=900)
             results[name] = []
             for c in lv:
@@ -426,6 +435,13 @@ def main(argv: list[str]) -> None:
         ratios["bf16_vs_fp32_throughput_c8"] = round(b8["throughput_rps"] / f8["throughput_rps"], 3)
     if b1 and f1:
         ratios["fp32_vs_bf16_p50_latency_c1"] = round(f1["latency_ms"]["p50"] / b1["latency_ms"]["p50"], 3)
+    for c in dec_levels:  # the engine's fast decode path (serve.decode=auto) against generate, same mix
+        for fast_name, gen_name in (("batched", "generate_batched"), ("always_generate", "always_generate_generate")):
+            f, g = at(fast_name, c), at(gen_name, c)
+            if f and g and g["throughput_rps"]:
+                ratios.setdefault("fast_decode_vs_generate", {}).setdefault(fast_name, {})[str(c)] = {
+                    "throughput": round(f["throughput_rps"] / g["throughput_rps"], 3),
+                    "p50_latency_lower": round(g["latency_ms"]["p50"] / f["latency_ms"]["p50"], 3)}
     pf = inproc["prefill"]
     ratios["clarify_path_p50_two_vs_one_prefill"] = round(
         pf["two_prefills"]["latency_ms"]["p50"] / pf["one_prefill"]["latency_ms"]["p50"], 3)

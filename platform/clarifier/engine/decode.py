@@ -3,15 +3,17 @@
 A clarifying question is ~25 tokens, one forward pass each over one token per row. At that size a step is the
 weights read once (memory bound) plus the cost of launching ~30 layers of small eager operations; ``generate`` adds
 its own per-step work on top (input preparation, a cache that grows by concatenation, mask building, stopping
-criteria). :class:`FastDecoder` keeps the first step -- the tokens the decision pass's KV cache does not hold yet,
-or the whole prompt -- on the model's own forward, then decodes with
+criteria). :class:`FastDecoder` decodes with
 
-* a **static KV cache**: every layer's keys and values copied once into buffers sized for the longest answer,
-  written in place one column per step (left padding keeps every row at the same column, as ``generate`` does);
+* a **static KV cache**: the decision pass's keys and values copied once into buffers sized for the longest answer,
+  the tokens after it (`` clarify\n``) encoded in one step, then one column written in place per token (left padding
+  keeps every row at the same column, as ``generate`` does). Without a cache the prompt goes through the model's own
+  forward first (a large matrix product, where the model's kernels are the right ones);
 * **fused weights**: q/k/v in one matrix and gate/up in one, so a layer is five matrix-vector products;
 * **decode weights in their own dtype** (``weights="bf16"``): a step reads every weight once, so bf16 halves the bytes
-  even on a CPU without bf16 arithmetic, while the decision pass keeps the model's precision (its threshold was
-  calibrated there). The greedy agreement with the model's own precision is measured in ``benchmarks/engine``.
+  even on a CPU without bf16 arithmetic. Only the products read bf16; norms, rotary embedding, attention over the
+  cache and the residual stream stay in the model's dtype, and the decision pass keeps the model's precision (its
+  threshold was calibrated there). The agreement with the model's own precision: ``benchmarks/engine/bench_decode.py``.
 
 Outputs follow ``generate``'s greedy semantics exactly (finished rows are padded, the logits processor sees the
 whole sequence, stopping when every row has produced EOS or after ``max_new_tokens``), so the target constraint
