@@ -101,9 +101,8 @@ class FastDecoder:
         rot = dec.rotary_emb
         self.inv_freq = rot.inv_freq.float()
         self.attention_scaling = float(getattr(rot, "attention_scaling", 1.0))
-        d = self.dtype
-
         self.act = self.model_dtype  # activations, norms and the KV cache
+        d = self.dtype
 
         def w(t):
             return t.detach().to(d).contiguous()
@@ -219,7 +218,7 @@ class FastDecoder:
         """``model.generate(..., do_sample=False)``'s output for left-padded ``input_ids``: prompt + new ids.
 
         ``past_key_values``: a cache holding the first ``n`` columns of ``input_ids`` (the decision pass's); the
-        rest are encoded by the model's own forward, as ``generate``'s first step does."""
+        rest are encoded in one step of this decoder. Without it the prompt goes through the model's own forward."""
         import torch
 
         model = self.model
@@ -272,19 +271,27 @@ class FastDecoder:
 DECODE_MODES = ("auto", "fast", "fast-bf16", "generate")
 
 
-def make_decoder(model, mode: str = "auto") -> FastDecoder | None:
-    """The engine's decoder for ``mode`` (:data:`DECODE_MODES`); ``None`` means ``model.generate``."""
+def resolve_decode(model, mode: str = "auto") -> str:
+    """The decode path ``mode`` (:data:`DECODE_MODES`) gives ``model``: ``fast``, ``fast-bf16`` or ``generate``;
+    a mode the model cannot have is refused here, when the engine loads, not at its first question."""
     if mode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, not {mode!r}")
     if mode == "generate":
-        return None
+        return "generate"
     why = supports(model)
     if why:
         if mode == "auto":
             log.debug("decoding with generate: %s", why)
-            return None
+            return "generate"
         raise ValueError(f"decode={mode!r} is not available for this model: {why}; use decode=generate")
     import torch
 
-    bf16 = mode == "fast-bf16" or (mode == "auto" and next(model.parameters()).dtype == torch.float32)
-    return FastDecoder(model, weights="bf16" if bf16 else "model")
+    if mode == "auto":
+        return "fast-bf16" if next(model.parameters()).dtype == torch.float32 else "fast"
+    return mode
+
+
+def make_decoder(model, mode: str = "auto") -> FastDecoder | None:
+    """The engine's decoder for ``mode`` (:data:`DECODE_MODES`); ``None`` means ``model.generate``."""
+    path = resolve_decode(model, mode)
+    return None if path == "generate" else FastDecoder(model, weights="bf16" if path == "fast-bf16" else "model")

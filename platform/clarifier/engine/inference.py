@@ -23,6 +23,7 @@ decision threshold and the prompt options.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from clarifier.engine.decision_head import POOLINGS, DecisionHead
-from clarifier.engine.decode import make_decoder, positions_from_mask
+from clarifier.engine.decode import make_decoder, positions_from_mask, resolve_decode
 from clarifier.engine.target_constraint import TargetConstraint, grammar_for, vocab_index
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from clarifier.engine.precision import place, resolve_precision, torch_dtype
@@ -162,14 +163,14 @@ class ClarifierEngine:
         if decision_head is not None:
             decision_head.check(model.config.num_hidden_layers, model.config.hidden_size)
         self.decision_head = decision_head
-        self.decoder = make_decoder(model, decode)
+        self.decode_path = resolve_decode(model, decode)  # fast | fast-bf16 | generate; a bad mode fails here
 
-    @property
-    def decode_path(self) -> str:
-        """How questions are decoded: ``fast`` / ``fast-bf16`` (:mod:`clarifier.engine.decode`) or ``generate``."""
-        if self.decoder is None:
-            return "generate"
-        return "fast-bf16" if self.decoder.weights == "bf16" else "fast"
+    @functools.cached_property
+    def decoder(self):
+        """The fast decoder of :attr:`decode_path` (None: ``model.generate``), built when a question is first decoded,
+        so the engines that only score (calibration, the head's features, the audit's actors, adapt) never hold its
+        fused or bf16 weights."""
+        return make_decoder(self.model, self.decode_path)
 
     @property
     def precision(self) -> str:

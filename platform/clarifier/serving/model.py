@@ -46,8 +46,10 @@ def replica_engine(uri: str, *, max_new_tokens: int = 48, tracking_uri: Optional
     from clarifier.engine.models import ModelResolutionError
 
     try:
-        return load_engine(uri, download_dir=cache_dir, tracking_uri=tracking_uri, max_new_tokens=max_new_tokens,
-                           precision=precision, device="cuda" if use_gpu else "cpu", decode=decode)
+        engine = load_engine(uri, download_dir=cache_dir, tracking_uri=tracking_uri, max_new_tokens=max_new_tokens,
+                             precision=precision, device="cuda" if use_gpu else "cpu", decode=decode)
+        engine.decoder  # noqa: B018 -- its weights prepared once per replica, at load, not by the first request that asks
+        return engine
     except ModelResolutionError as exc:
         if use_gpu and "CUDA" in str(exc):
             raise ServingError("gpus_per_replica > 0 but CUDA is not available in the model replica") from exc
