@@ -30,6 +30,9 @@ app.add_typer(models_app, name="models")
 app.add_typer(recipe_app, name="recipe")
 label_app = typer.Typer(no_args_is_help=True, help="Labels of your own: which turns of your logs to label next.")
 app.add_typer(label_app, name="label")
+tenants_app = typer.Typer(no_args_is_help=True, help="Many assistants, one deployment: the tenants file of "
+                                                      "serve.tenants_file (check it, scope a key to a tenant).")
+app.add_typer(tenants_app, name="tenants")
 console = Console(highlight=False, soft_wrap=True)  # Clarifier's own lines and results (stdout)
 err_console = Console(highlight=False, soft_wrap=True, stderr=True)  # errors and the log file's path
 
@@ -909,6 +912,72 @@ def recipe_benchmark(plan: str = typer.Argument(..., help="Plan name (clarifier/
     except ResultExists as exc:
         err_console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)
+
+
+@tenants_app.command("check")
+def tenants_check(file: str = typer.Argument(..., help="Tenants file (a path or s3://)."),
+                  resolve: bool = typer.Option(False, "--resolve", help="Also resolve every model (downloads "
+                                               "registry and s3 models) and show which tenants share one copy of "
+                                               "the weights."),
+                  config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+    """Validate a tenants file and show its tenants: model, keys, budget, rate limit (and shared weights)."""
+    from rich.table import Table
+
+    from clarifier.core.tenants import TenantsFileError
+    from clarifier.serving.tenants import read_tenants
+
+    try:
+        spec, _ = read_tenants(file)
+    except TenantsFileError as exc:
+        err_console.print(f"[red]{escape(str(exc))}[/red]")
+        raise typer.Exit(2)
+    keys: dict[str, str] = {}
+    if resolve:
+        from clarifier.engine.inference import weights_key
+        from clarifier.engine.loading import resolve_model
+        from clarifier.runtime.mlflow_uri import tracking_uri
+
+        cfg = _cfg(config, overrides)
+        for t in spec.tenants:
+            keys[t.name] = weights_key(resolve_model(t.model_uri, tracking_uri=tracking_uri(cfg.tracking.tracking_uri)).folder)
+    t = Table(title=f"{len(spec.tenants)} tenant(s) in {file}" + (f", default {spec.default}" if spec.default else ""))
+    for col in ("tenant", "model", "keys", "latency budget", "rate limit", *(["weights"] if resolve else [])):
+        t.add_column(col, overflow="fold")
+    for x in spec.tenants:
+        t.add_row(x.name, x.model_uri, str(len(x.keys_sha256)),
+                  f"{x.latency_budget_s:g} s" if x.latency_budget_s else "serve's",
+                  f"{x.rate_limit_per_s:g}/s (burst {x.rate_burst or max(1, -(-x.rate_limit_per_s // 1)):g})"
+                  if x.rate_limit_per_s else "-", *([keys[x.name]] if resolve else []))
+    _print_table(t)
+    if resolve:
+        _say(f"{len(set(keys.values()))} distinct weights for {len(keys)} tenant(s): tenants with the same weights "
+             "share one copy in a replica (serve.max_adapters_per_replica bounds the distinct ones)")
+
+
+@tenants_app.command("key")
+def tenants_key(tenant: str = typer.Argument(..., help="The tenant the new key is scoped to."),
+                file: str = typer.Option(..., "--file", "-f", help="Tenants file to add the key's digest to.")):
+    """Make an API key scoped to one tenant: its SHA-256 digest goes into the file, the key is printed once."""
+    import secrets
+
+    import yaml
+
+    from clarifier.core.tenants import TenantsFileError, add_key_digest, key_digest, parse_tenants
+    from clarifier.runtime import storage
+
+    try:
+        data = yaml.safe_load(storage.read_text(file))
+        parse_tenants(yaml.safe_dump(data), where=file)
+        key = "clk-" + secrets.token_urlsafe(32)
+        text = yaml.safe_dump(add_key_digest(data, tenant, key_digest(key)), sort_keys=False)
+        parse_tenants(text, where=file)
+    except TenantsFileError as exc:
+        err_console.print(f"[red]{escape(str(exc))}[/red]")
+        raise typer.Exit(2)
+    storage.write_text(file, text)
+    err_console.print(f"added a key for tenant {tenant!r} to {file} (its digest only; comments in the file are not "
+                      "kept). The key, shown this once:")
+    print(key)
 
 
 @app.command()

@@ -18,6 +18,7 @@ import pytest
 
 from clarifier.core.config import ServeConfig
 from support.adapters import untrained_adapter
+from support.metrics import metric_value
 
 pytestmark = pytest.mark.integration
 
@@ -146,8 +147,8 @@ def test_overload_gives_503_naming_the_limit_not_timeouts(tiny_model_dir, tmp_pa
             assert r.headers.get("retry-after") == "1"
     # the ingress counted them
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    assert 'clarifier_rejected_total{reason="backpressure"}' in metrics
-    assert 'clarifier_requests_total{route="clarify",status="503"}' in metrics
+    assert metric_value(metrics, "clarifier_rejected_total", reason="backpressure") >= 1
+    assert metric_value(metrics, "clarifier_requests_total", route="clarify", status="503") >= 1
 
 
 @pytest.mark.timeout(420)
@@ -183,5 +184,5 @@ def test_default_queue_policy_sheds_by_the_latency_budget(tiny_model_dir, tmp_pa
             assert d["error"] == "overloaded" and d["limit"] == "latency_budget_s" and d["max"] == 0.5, d
             assert int(r.headers["retry-after"]) >= 1 and d["admitted_at_once"] >= 1
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    assert 'clarifier_rejected_total{reason="latency_budget"}' in metrics
+    assert metric_value(metrics, "clarifier_rejected_total", reason="latency_budget") >= 1
     assert "clarifier_measured_throughput" in metrics and "clarifier_admission_limit" in metrics

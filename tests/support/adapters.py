@@ -24,3 +24,27 @@ def untrained_adapter(base: Path, out: Path, threshold: float, seed: int = 0, r:
     AutoTokenizer.from_pretrained(base).save_pretrained(out)
     write_meta(out, ModelMeta(base_model=str(base), threshold=threshold))
     return out
+
+
+def with_head(src: Path, out: Path, threshold: float, seed: int, layers=(1, 2), pooling=("last",)) -> Path:
+    """A copy of the model folder ``src`` with a random decision head and its own threshold: what ``clarifier adapt``
+    writes (same adapter, new head and threshold), so it shares ``src``'s weights key."""
+    import shutil
+
+    import torch
+
+    from clarifier.engine.decision_head import DecisionHead
+    from clarifier.engine.inference import read_meta, write_meta
+    from transformers import AutoConfig
+
+    shutil.copytree(src, out)
+    meta = read_meta(out)
+    hidden = AutoConfig.from_pretrained(meta.base_model).hidden_size
+    g = torch.Generator().manual_seed(seed)
+    n = len(pooling) * len(layers) * hidden
+    DecisionHead.from_standardised(list(layers), torch.randn(n, generator=g), 0.1 * seed, torch.zeros(n),
+                                   torch.ones(n), pooling=list(pooling)).save(out)
+    meta.threshold = threshold
+    write_meta(out, meta)
+    (out / "adapt.json").write_text("{}")
+    return out

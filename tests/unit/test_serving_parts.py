@@ -196,13 +196,17 @@ def test_ingress_metrics_classify_answers():
     assert ctype.startswith("text/plain")
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value
            for fam in text_string_to_metric_families(text.decode()) for s in fam.samples}
-    assert got[("clarifier_decisions_total", (("decision", "answer"),))] == 2
-    assert got[("clarifier_decisions_total", (("decision", "clarify"),))] == 1
-    assert got[("clarifier_path_total", (("path", "fast"),))] == 1
-    assert got[("clarifier_path_total", (("path", "generate"),))] == 2
-    assert got[("clarifier_invalid_outputs_total", ())] == 1
-    assert got[("clarifier_requests_total", (("route", "clarify"), ("status", "200")))] == 1
-    assert got[("clarifier_request_latency_seconds_count", (("route", "clarify"),))] == 1
+    assert got[("clarifier_decisions_total", (("decision", "answer"), ("model", "")))] == 2
+    assert got[("clarifier_decisions_total", (("decision", "clarify"), ("model", "")))] == 1
+    assert got[("clarifier_path_total", (("model", ""), ("path", "fast")))] == 1
+    assert got[("clarifier_path_total", (("model", ""), ("path", "generate")))] == 2
+    assert got[("clarifier_invalid_outputs_total", (("model", ""),))] == 1
+    assert got[("clarifier_requests_total", (("model", ""), ("route", "clarify"), ("status", "200")))] == 1
+    assert got[("clarifier_request_latency_seconds_count", (("model", ""), ("route", "clarify")))] == 1
+    m.observe_answer(ClarifyResponse(needs_clarification=False, confidence=0.1, model_version="v"), model="hr")
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in text_string_to_metric_families(m.render()[0].decode()) for s in fam.samples}
+    assert got[("clarifier_decisions_total", (("decision", "answer"), ("model", "hr")))] == 1  # per tenant
 
 
 # ---- ingress: a model replica lost mid-request ------------------------------------------------------

@@ -66,7 +66,8 @@ class ChatCompletionRequest(BaseModel):
     documents: list[dict[str, Any] | str] = Field(default_factory=list, description="Retrieved passages: "
                                                   "{doc_id, text, score?} (the openai client sends them via extra_body).",
                                                   json_schema_extra={"items": DOCUMENT_SCHEMA})
-    model: str | None = Field(None, description="Any name: the served model answers (its id is in the response).")
+    model: str | None = Field(None, description="Single-model deployment: any name, the served model answers. "
+                                                "Multi-tenant (serve.tenants_file): the tenant's model id.")
     temperature: float | None = Field(None, ge=0, le=2, description="Accepted; decoding is greedy.")
     top_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
@@ -162,8 +163,13 @@ def chat_completion(resp: ClarifyResponse, model_id: str, created: int | None = 
 
 def model_list(model_id: str, version: str | None, created: int) -> dict:
     """``GET /v1/models``: the one model this deployment serves."""
+    return models_list([(model_id, version)], created)
+
+
+def models_list(models: list[tuple[str, str | None]], created: int) -> dict:
+    """``GET /v1/models``: ``(id, version)`` of every model the caller may call (a multi-tenant deployment's)."""
     return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                        "owned_by": "clarifier", "version": version}]}
+                                        "owned_by": "clarifier", "version": version} for model_id, version in models]}
 
 
 ErrorType = Literal["invalid_request_error", "authentication_error", "rate_limit_error", "server_error"]

@@ -584,6 +584,16 @@ class ServeConfig(_Strict):
         16, ge=1, description="Shadow calls waiting at once per ingress replica; beyond, a request is not shadowed "
                               "(counted as skipped), so a slow shadow never builds a backlog.")
     shadow_timeout_s: float = Field(30, gt=0, description="A shadow answer later than this is counted as failed.")
+    tenants_file: str | None = Field(
+        None, description="Many assistants, one deployment: a tenants file (YAML/JSON, a path or s3://) naming each "
+                          "tenant's model, keys, budget and rate limit (clarifier.core.tenants); model_uri, model_name "
+                          "and shadow_model_uri are then unused. null = one model (model_uri).")
+    tenants_refresh_s: float = Field(10, ge=0, description="Read the tenants file again this often and apply a "
+                                                           "change while serving; 0 = never.")
+    max_models_per_replica: int = Field(64, ge=1, description="Tenants a model replica holds at once (Serve's model "
+                                                              "multiplexing evicts the least recently used).")
+    max_adapters_per_replica: int = Field(4, ge=1, description="Distinct weights (base + adapter) a model replica holds "
+                                                               "at once; tenants adapted from one model share one.")
 
 
 class FeedbackSignalConfig(_Strict):

@@ -227,6 +227,10 @@ class ClarifyRequest(BaseModel):
         None, min_length=1, max_length=256,
         description="The client's id of the conversation (optional): the request log (serve.request_log) groups "
                     "a conversation's requests by it; it does not change the answer.")
+    model: str | None = Field(
+        None, min_length=1, max_length=128,
+        description="A multi-tenant deployment (serve.tenants_file): the tenant's model that answers (also the "
+                    "X-Clarifier-Model header; a key scoped to a tenant needs neither). Ignored by a single-model one.")
 
     _query_not_blank = field_validator("query")(_not_blank_query)
 

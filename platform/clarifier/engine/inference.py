@@ -91,6 +91,29 @@ def refuse_pickles(folder: str | Path) -> None:
         )
 
 
+# Files of a model folder that do not change its language model: the decision head and threshold (clarifier.json's
+# other fields are read into the key), the card, adapt's summary.
+NOT_WEIGHTS = {"decision_head.safetensors", META_FILE, "MODEL_CARD.md", "card.json", "adapt.json"}
+
+
+def weights_key(folder: str | Path) -> str:
+    """What a model folder's language model is: the same key means the same weights, tokenizer and prompt, so two
+    models (say one and its ``clarifier adapt`` copies) can be served from one loaded copy, each with its own head and
+    threshold (:class:`Decider`). A digest of every file but :data:`NOT_WEIGHTS` and of the base model, fine-tuning
+    kind and prompt options; an unknown extra file only makes the key differ (no sharing), never wrongly equal."""
+    import hashlib
+
+    folder = Path(folder)
+    meta = read_meta(folder)
+    h = hashlib.sha256(json.dumps([meta.base_model, meta.finetune, meta.prompt], sort_keys=True).encode())
+    for f in sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() not in NOT_WEIGHTS):
+        h.update(f.relative_to(folder).as_posix().encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
 def load_weights(folder: Path, meta: ModelMeta, cache_dir=None, dtype=None):
     """The model of a (non-pipeline) model folder, by what its files hold, in ``dtype`` (default fp32).
 
@@ -118,6 +141,27 @@ def num_layers(folder: str | Path, cache_dir=None) -> int:
             if (folder / "adapter_config.json").is_file() else str(folder))
     config = AutoConfig.from_pretrained(path)
     return int(getattr(config, "num_hidden_layers", None) or config.get_text_config().num_hidden_layers)
+
+
+@dataclass(frozen=True)
+class Decider:
+    """What differs between models that share their weights (a base + adapter and a prompt): the decision head,
+    the threshold and the version label. An engine answers each request with its own decider, so models adapted
+    from one (``clarifier adapt``: a new head and threshold, the same adapter) are served from one copy of the
+    weights in one forward pass per batch (:mod:`clarifier.serving.tenants`)."""
+
+    head: DecisionHead | None
+    threshold: float
+    version: str
+
+
+def head_columns(head: DecisionHead, layers: Sequence[int], pooling: Sequence[str], hidden: int) -> list[int]:
+    """The feature columns ``head`` reads in features computed for ``layers`` pooled as ``pooling`` (a superset of
+    its own): :meth:`ClarifierEngine._decision_pass`'s layout, every pooling kind's layers in order."""
+    blocks = [(kind, i) for kind in POOLINGS if kind in pooling for i in layers]
+    at = {b: k for k, b in enumerate(blocks)}
+    return [at[(kind, i)] * hidden + j for kind in POOLINGS if kind in head.pooling for i in head.layers
+            for j in range(hidden)]
 
 
 @dataclass
@@ -283,15 +327,32 @@ class ClarifierEngine:
                              [int(n) for n in enc["attention_mask"].sum(dim=1)])
         return probs, feats, state
 
-    def _decide(self, items: list[tuple], keep_cache: bool = False) -> tuple[list[float], DecisionPass | None]:
+    def _decide(self, items: list[tuple], keep_cache: bool = False,
+                heads: Sequence[DecisionHead | None] | None = None) -> tuple[list[float], DecisionPass | None]:
         """P(clarify) per item -- from the decision head when the model has one, else from the decision
-        tokens -- and the pass's state (see :meth:`_decision_pass`)."""
-        dh = self.decision_head
-        probs, feats, state = self._decision_pass(items, keep_cache, dh.layers if dh else None,
-                                                  dh.pooling if dh else ("last",))
-        if dh is not None:
-            probs = dh.probability(feats)
-        return [float(x) for x in probs], state
+        tokens -- and the pass's state (see :meth:`_decision_pass`). ``heads``: each item's own head (None: the
+        decision tokens), all read from one pass over the union of their layers."""
+        if heads is None:
+            heads = [self.decision_head] * len(items)
+        distinct = {id(h): h for h in heads if h is not None}
+        if len(distinct) <= 1 and (not distinct or all(h is not None for h in heads)):
+            dh = next(iter(distinct.values()), None)
+            probs, feats, state = self._decision_pass(items, keep_cache, dh.layers if dh else None,
+                                                      dh.pooling if dh else ("last",))
+            if dh is not None:
+                probs = dh.probability(feats)
+            return [float(x) for x in probs], state
+        layers = sorted({i for h in distinct.values() for i in h.layers})
+        pooling = [k for k in POOLINGS if any(k in h.pooling for h in distinct.values())]
+        token_probs, feats, state = self._decision_pass(items, keep_cache, layers, pooling)
+        out = [float(x) for x in token_probs]
+        hidden = self.model.config.hidden_size
+        for key, h in distinct.items():
+            rows = [r for r, g in enumerate(heads) if g is not None and id(g) == key]
+            cols = self._torch.tensor(head_columns(h, layers, pooling, hidden), device=feats.device)
+            for r, p in zip(rows, h.probability(feats[rows][:, cols])):
+                out[r] = float(p)
+        return out, state
 
     def decision_features(self, items: list[tuple], layers: list[int],
                           pooling: Sequence[str] = ("last",)) -> tuple[list[float], Any]:
@@ -394,14 +455,30 @@ class ClarifierEngine:
             [grammar_for(h, q, p, first_shown_turn(h, self.opts)) for h, q, p in items], self.max_new_tokens,
             written)])
 
-    def clarify(self, requests: list[ClarifyRequest], threshold: float | None = None) -> list[ClarifyResponse]:
-        """Answer serving requests: decision for all, question only for those above the threshold."""
-        thr = self.threshold if threshold is None else threshold
+    @property
+    def decider(self) -> Decider:
+        """This engine's own head, threshold and version."""
+        return Decider(self.decision_head, self.threshold, self.version)
+
+    def check_decider(self, decider: Decider) -> None:
+        """Refuse a head that does not fit this engine's model (naming both shapes)."""
+        if decider.head is not None:
+            decider.head.check(self.model.config.num_hidden_layers, self.model.config.hidden_size)
+
+    def clarify(self, requests: list[ClarifyRequest], threshold: float | None = None,
+                deciders: Sequence[Decider] | None = None) -> list[ClarifyResponse]:
+        """Answer serving requests: decision for all, question only for those above the threshold.
+        ``deciders``: each request's own head, threshold and version (models sharing these weights; one pass)."""
+        if deciders is None:
+            own = self.decider
+            deciders = [own if threshold is None else Decider(own.head, threshold, own.version)] * len(requests)
+        elif len(deciders) != len(requests):
+            raise ValueError(f"{len(requests)} requests but {len(deciders)} deciders")
         items = [(r.history, r.query, r.passages) for r in requests]
         if not items:
             return []
-        probs, state = self._decide(items, keep_cache=self.one_prefill)
-        ask = [i for i, p in enumerate(probs) if p >= thr]
+        probs, state = self._decide(items, keep_cache=self.one_prefill, heads=[d.head for d in deciders])
+        ask = [i for i, p in enumerate(probs) if p >= deciders[i].threshold]
         texts, generated = self._ask(state, ask, [items[i] for i in ask]) if ask else ([], [])
         prompt_tokens = state.prompt_tokens
         del state  # the KV cache: freed before the responses are built
@@ -411,7 +488,8 @@ class ClarifierEngine:
         for i, (req, p) in enumerate(zip(requests, probs)):
             n_new = new_tokens.get(i, 0)
             usage = Usage(prompt_tokens=prompt_tokens[i], completion_tokens=n_new, total_tokens=prompt_tokens[i] + n_new)
-            common = {"confidence": p, "threshold": thr, "model_version": self.version, "usage": usage}
+            common = {"confidence": p, "threshold": deciders[i].threshold, "model_version": deciders[i].version,
+                      "usage": usage}
             if i not in gens:
                 out.append(ClarifyResponse(needs_clarification=False, **common))
                 continue

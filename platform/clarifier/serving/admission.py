@@ -109,3 +109,29 @@ class LatencyBudget:
             self.outstanding = max(0, self.outstanding - items)
             if self.outstanding == 0:
                 self._busy_since = self._last_done = None
+
+
+class RateLimit:
+    """A token bucket: ``rate_per_s`` requests a second on average, ``burst`` at once (a tenant's
+    ``rate_limit_per_s``). :meth:`try_take` returns 0 when the request may go, else the whole seconds until it
+    could (the ``Retry-After`` of its 429). Thread-safe; the clock is injectable."""
+
+    def __init__(self, rate_per_s: float, burst: int | None = None, clock: Callable[[], float] = time.monotonic):
+        if rate_per_s <= 0:
+            raise ValueError("RateLimit needs rate_per_s > 0")
+        self.rate = float(rate_per_s)
+        self.burst = float(burst if burst is not None else max(1, math.ceil(rate_per_s)))
+        self._clock = clock
+        self._tokens = self.burst
+        self._at = clock()
+        self._lock = threading.Lock()
+
+    def try_take(self, n: int = 1) -> int:
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            if self._tokens >= n:
+                self._tokens -= n
+                return 0
+            return max(1, math.ceil((n - self._tokens) / self.rate))

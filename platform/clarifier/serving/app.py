@@ -162,7 +162,14 @@ def build_app(cfg: ServeConfig, tracking_uri: Optional[str] = None) -> serve.App
                        batch_wait_timeout_s=cfg.batch_wait_timeout_s, model_refresh_s=cfg.model_refresh_s,
                        use_gpu=cfg.gpus_per_replica > 0, precision=cfg.precision, cpus=cfg.cpus_per_replica,
                        decode=cfg.decode)
-    model = ClarifierModel.options(**model_opts).bind(cfg.model_uri, **engine_args)
+    tenants = None
+    if cfg.tenants_file:
+        if cfg.shadow_model_uri:
+            raise ConfigError("serve.shadow_model_uri is a single-model deployment's; with serve.tenants_file, shadow a "
+                              "tenant's challenger from a deployment of its own")
+        tenants, model = _tenant_model(cfg, model_opts, engine_args)
+    else:
+        model = ClarifierModel.options(**model_opts).bind(cfg.model_uri, **engine_args)
     shadow = None
     if cfg.shadow_model_uri:
         # The challenger: one replica of the same deployment class, its own name, its own bounded queue (a slow
@@ -187,7 +194,30 @@ def build_app(cfg: ServeConfig, tracking_uri: Optional[str] = None) -> serve.App
         api_key_digests=digests,
         max_batch_requests=cfg.max_batch_requests, max_queued_requests=model_opts["max_queued_requests"],
         latency_budget_s=budget, initial_limit=2 * model_opts["max_ongoing_requests"] * first_replicas,
+        tenants=tenants,
     )
+
+
+def _tenant_model(cfg: ServeConfig, model_opts: dict, engine_args: dict):
+    """``(the ingress's tenants argument, the bound ClarifierTenantModel)`` for ``serve.tenants_file``; a file that
+    cannot be used is a ConfigError naming it."""
+    from clarifier.core.tenants import TenantsFileError
+    from clarifier.serving.tenant_model import ClarifierTenantModel
+    from clarifier.serving.tenants import read_tenants
+
+    try:
+        spec, text = read_tenants(cfg.tenants_file)
+    except TenantsFileError as exc:
+        raise ConfigError(str(exc)) from None
+    default = next((t for t in spec.tenants if t.name == spec.default), None)
+    # Each replica loads the default tenant's (else the first tenant's) weights before it takes traffic.
+    preload = [(default or spec.tenants[0]).mux_id]
+    model = ClarifierTenantModel.options(**model_opts).bind(
+        preload=preload, max_models_per_replica=cfg.max_models_per_replica,
+        max_adapters_per_replica=cfg.max_adapters_per_replica, **engine_args)
+    log.info("serving %d tenant(s) from %s: %s", len(spec.tenants), cfg.tenants_file,
+             ", ".join(t.name for t in spec.tenants))
+    return {"file": cfg.tenants_file, "refresh_s": cfg.tenants_refresh_s, "spec": spec.model_dump(), "text": text}, model
 
 
 def served_model_id(cfg: ServeConfig) -> str:

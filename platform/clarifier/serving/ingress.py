@@ -22,16 +22,18 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from clarifier.core.chat_completions import (CHAT_PATHS, ChatCompletionRequest, ChatRequestError, chat_completion,
-                                             error_body, error_from_detail, model_list, parse_chat_request)
+                                             error_body, error_from_detail, model_list, models_list,
+                                             parse_chat_request)
 from clarifier.core.schema import ClarifyRequest, ClarifyResponse
 from clarifier.data.chatlog import clarify_request_from_chat
 from clarifier.runtime.retry import RetryPolicy
 from clarifier.serving.auth import ENV_VAR as API_KEYS_ENV
 from clarifier.serving.auth import HEADER as API_KEY_HEADER
 from clarifier.serving.auth import ApiKeyAuth, presented_key
-from clarifier.serving.admission import LatencyBudget
+from clarifier.serving.admission import LatencyBudget, RateLimit
 from clarifier.serving.metrics import IngressMetrics
 from clarifier.core.request_record import answer_fields, request_record
+from clarifier.core.tenants import Caller, TenantDirectory, TenantError, TenantSpec, key_digest
 from clarifier.serving.request_log import RequestLog
 
 
@@ -46,6 +48,8 @@ REPLICA_LOSS_RETRIES = 2
 REPLICA_LOST = (ActorDiedError, ActorUnavailableError)
 # Their resends: at once, no backoff (see ClarifierIngress._call_model).
 REPLICA_LOSS = RetryPolicy(attempts=REPLICA_LOSS_RETRIES + 1)
+# A multi-tenant deployment: the header naming the tenant's model on /v1/clarify (the body's ``model`` also does).
+MODEL_HEADER = "X-Clarifier-Model"
 
 
 # ---- HTTP ingress ----------------------------------------------------------------------------
@@ -154,7 +158,8 @@ async def _observe(request: Request, call_next):
     t0 = time.perf_counter()
     response = await call_next(request)
     try:
-        _ingress().metrics.observe_request(_route_of(request), response.status_code, time.perf_counter() - t0)
+        _ingress().metrics.observe_request(_route_of(request), response.status_code, time.perf_counter() - t0,
+                                           model=getattr(request.state, "model", ""))
     except Exception:  # metrics must never break a request
         log.debug("recording request metrics failed", exc_info=True)
     return response
@@ -167,13 +172,20 @@ _KEY_HEADER = APIKeyHeader(name=API_KEY_HEADER, auto_error=False, description=f"
 
 
 async def require_api_key(request: Request, _bearer: Any = Security(_BEARER),
-                          _header: Any = Security(_KEY_HEADER)) -> None:
-    """401 unless auth is off or the request carries a configured key (never echoed)."""
+                          _header: Any = Security(_KEY_HEADER)) -> Caller:
+    """The caller (which tenant its key is scoped to, if any); 401 unless auth is off or the request carries a
+    configured key (never echoed)."""
     ingress = _ingress()
     key = presented_key(request.headers)
-    if ingress.auth.check(key):
-        return
-    ingress.metrics.rejected.inc(reason="auth")
+    caller = ingress.caller(key)
+    if caller is not None:
+        request.state.caller = caller
+        # the metrics' model: the single model, or the tenant a scoped key belongs to (its refusals count there too)
+        model = ingress.model_id if ingress.tenants is None else caller.tenant
+        if model:
+            request.state.model = model
+        return caller
+    ingress.metrics.rejected.inc(model="", reason="auth")
     message = ("missing API key: send 'Authorization: Bearer <key>' or "
                f"'{API_KEY_HEADER}: <key>'") if key is None else "invalid API key"
     raise HTTPException(401, detail={"error": "unauthorized", "message": message},
@@ -181,8 +193,12 @@ async def require_api_key(request: Request, _bearer: Any = Security(_BEARER),
 
 
 AUTH = [Depends(require_api_key)]
-ERRORS = {400: {"description": "the body could not be decoded (not UTF-8 JSON)"},
+ERRORS = {400: {"description": "the body could not be decoded (not UTF-8 JSON), or a multi-tenant deployment needs "
+                               "the request to name its model"},
           401: {"description": "missing or wrong API key"},
+          403: {"description": "multi-tenant: the API key is scoped to another tenant's model"},
+          404: {"description": "multi-tenant: no such model is served"},
+          429: {"description": "multi-tenant: the tenant's rate limit is reached; retry after Retry-After seconds"},
           413: {"description": "over a configured size limit (the body names it)"},
           503: {"description": "overloaded: max_queued_requests requests already wait (the body names it), "
                                "or no model replica could answer; retry after Retry-After seconds"},
@@ -213,12 +229,14 @@ class ClarifierIngress:
                  max_batch_requests: int = 32, max_queued_requests: int = -1, ray_metrics: bool = True,
                  latency_budget_s: Optional[float] = None, initial_limit: int = 8,
                  request_log: Optional[dict] = None, shadow: Any = None, shadow_share: float = 1.0,
-                 shadow_max_inflight: int = 16, shadow_timeout_s: float = 30.0):
-        self.model = model  # DeploymentHandle to ClarifierModel
+                 shadow_max_inflight: int = 16, shadow_timeout_s: float = 30.0, tenants: Optional[dict] = None):
+        self.model = model  # DeploymentHandle to ClarifierModel (ClarifierTenantModel with tenants)
         self.model_id = model_id  # what OpenAI-compatible clients see as the model
         self.started = int(time.time())
         # max_queued_requests null: admission from the latency budget (see serving.admission).
         self.admission = LatencyBudget(latency_budget_s, initial_limit) if latency_budget_s else None
+        self.latency_budget_s = latency_budget_s
+        self.initial_limit = initial_limit
         self.max_history_turns = max_history_turns
         self.max_chars = max_chars
         self.ready_timeout_s = ready_timeout_s
@@ -226,7 +244,22 @@ class ClarifierIngress:
         self.max_queued_requests = max_queued_requests
         self.auth = ApiKeyAuth(api_key_digests)
         self.metrics = IngressMetrics(ray=ray_metrics)
-        self.request_log = self._request_log(request_log)
+        self._request_log_cfg = request_log
+        # Multi-tenant (serve.tenants_file): the tenants, their admission, handles and request logs.
+        self.tenants: Optional[TenantDirectory] = None
+        self._tenant_state: dict = {}  # tenant -> {"budget": LatencyBudget, "rate": RateLimit, "spec": TenantSpec}
+        self._tenant_logs: dict = {}  # tenant -> RequestLog under <request_log.uri>/<tenant>
+        self._handles: dict = {}  # mux id -> DeploymentHandle with multiplexed_model_id
+        self._tenants_watch = None
+        if tenants:
+            from clarifier.core.tenants import TenantsSpec
+            from clarifier.serving.tenants import TenantsWatch
+
+            self._set_tenants(TenantDirectory(TenantsSpec.model_validate(tenants["spec"])))
+            self._tenants_watch = TenantsWatch(tenants["file"], tenants.get("refresh_s", 0), self._reloaded,
+                                               initial_text=tenants.get("text"))
+            self._tenants_watch.start()
+        self.request_log = None if tenants else self._request_log(request_log)
         # The shadow model (serve.shadow_model_uri): a DeploymentHandle scored off the response path.
         self.shadow = shadow
         self.shadow_share = shadow_share
@@ -242,13 +275,82 @@ class ClarifierIngress:
 
     async def __del__(self):
         """Serve awaits it on a graceful shutdown: shadow calls still out get a few seconds to come back,
-        then the request log writes what it holds (in a thread: the event loop stays free)."""
+        then the request logs write what they hold (in a thread: the event loop stays free)."""
         tasks = list(getattr(self, "_shadow_tasks", ()))
         if tasks:
             await asyncio.wait(tasks, timeout=5)
-        request_log = getattr(self, "request_log", None)
-        if request_log is not None:
-            await asyncio.to_thread(request_log.close)
+        watch = getattr(self, "_tenants_watch", None)
+        if watch is not None:
+            watch.stop()
+        logs = [getattr(self, "request_log", None), *getattr(self, "_tenant_logs", {}).values()]
+        for request_log in logs:
+            if request_log is not None:
+                await asyncio.to_thread(request_log.close)
+
+    # ---- tenants ------------------------------------------------------------------------------
+
+    def caller(self, key: Optional[str]) -> Optional[Caller]:
+        """Who ``key`` is (None: refused with 401). Operator keys ($CLARIFIER_API_KEYS / serve.api_keys_file) reach
+        every tenant; a tenant's keys (its ``keys_sha256``) reach it alone; no key anywhere: auth is off."""
+        tenants = self.tenants
+        scoped = tenants is not None and tenants.has_keys
+        if not self.auth.enabled and not scoped:
+            return Caller()
+        if not key:
+            return None
+        if self.auth.enabled and self.auth.check(key):
+            return Caller()
+        tenant = tenants.scoped_tenant(key_digest(key)) if scoped else None
+        return Caller(tenant) if tenant is not None else None
+
+    def _set_tenants(self, directory: TenantDirectory) -> None:
+        state = {}
+        for t in directory.spec.tenants:
+            old = self._tenant_state.get(t.name)
+            if old is not None and old["spec"] == t:
+                state[t.name] = old  # unchanged: keeps its measured throughput and its bucket
+                continue
+            budget_s = t.latency_budget_s or self.latency_budget_s
+            state[t.name] = {"spec": t, "budget": LatencyBudget(budget_s, self.initial_limit) if budget_s else None,
+                             "rate": RateLimit(t.rate_limit_per_s, t.rate_burst) if t.rate_limit_per_s else None}
+        self._tenant_state = state
+        self.tenants = directory
+        self.metrics.tenants.set(len(directory.names))
+
+    def _reloaded(self, directory: Optional[TenantDirectory], error: Optional[str]) -> None:
+        """The tenants file changed: apply it, or keep the tenants served now when it cannot be used."""
+        if directory is None:
+            self.metrics.tenants_reloads.inc(outcome="refused")
+            log.error("tenants file changed but cannot be used; still serving %s: %s",
+                      ", ".join(self.tenants.names), error)
+            return
+        change = self.tenants.changes(directory)
+        self._set_tenants(directory)
+        self.metrics.tenants_reloads.inc(outcome="applied")
+        log.info("tenants reloaded: %d served (added %s, removed %s, changed %s)", len(directory.names),
+                 change["added"] or "none", change["removed"] or "none", change["changed"] or "none")
+
+    def _tenant(self, request: Request, caller: Caller, named: Optional[str]) -> Optional[TenantSpec]:
+        """The tenant answering this request (None: a single-model deployment); an HTTPException when refused."""
+        if self.tenants is None:
+            return None
+        try:
+            tenant = self.tenants.resolve(caller, named)
+        except TenantError as exc:
+            self.metrics.rejected.inc(model="", reason="tenant")
+            raise HTTPException(exc.status, detail={"error": exc.code, "message": exc.message}) from None
+        request.state.model = tenant.name
+        return tenant
+
+    def _handle(self, tenant: TenantSpec):
+        """The model deployment's handle routing to replicas that hold ``tenant`` (Serve's model multiplexing)."""
+        handle = self._handles.get(tenant.mux_id)
+        if handle is None:
+            handle = self._handles[tenant.mux_id] = self.model.options(multiplexed_model_id=tenant.mux_id)
+        return handle
+
+    def _model_label(self, tenant: Optional[TenantSpec]) -> str:
+        return self.model_id if tenant is None else tenant.name
 
     # ---- the request log ----------------------------------------------------------------------
 
@@ -269,23 +371,41 @@ class ClarifierIngress:
                  rl.cfg.shard_age_s)
         return rl
 
+    def _tenant_log(self, tenant: TenantSpec) -> Optional[RequestLog]:
+        """The tenant's own request log, under ``<serve.request_log.uri>/<tenant>`` (opened on its first answer)."""
+        if not self._request_log_cfg or not self._request_log_cfg.get("uri"):
+            return None
+        rl = self._tenant_logs.get(tenant.name)
+        if rl is None:
+            from clarifier.runtime import storage
+
+            cfg = {**self._request_log_cfg, "uri": storage.join(self._request_log_cfg["uri"], tenant.name)}
+            rl = self._tenant_logs[tenant.name] = self._request_log(cfg)
+        return rl
+
     def _log_answers(self, route: str, reqs: List[ClarifyRequest], resps: List[ClarifyResponse],
-                     shadows: Optional[List[dict]] = None) -> None:
+                     shadows: Optional[List[dict]] = None, tenant: Optional[TenantSpec] = None) -> None:
         """Hand each answered request to the request log (never fails or delays the answer)."""
-        if self.request_log is None:
+        request_log = self.request_log if tenant is None else self._tenant_log(tenant)
+        if request_log is None:
             return
         try:
             at = time.time()
-            omit = tuple(self.request_log.cfg.omit)
+            omit = tuple(request_log.cfg.omit)
             for k, (req, resp) in enumerate(zip(reqs, resps)):
-                self.request_log.append(request_record(req, resp, route=route, request_id=uuid.uuid4().hex,
+                request_log.append(request_record(req, resp, route=route, request_id=uuid.uuid4().hex,
                                                        at=at, omit=omit, shadow=shadows[k] if shadows else None))
         except Exception:
             log.exception("request log: a record could not be made")
 
-    def _answered(self, route: str, reqs: List[ClarifyRequest], resps: List[ClarifyResponse]) -> None:
-        """After an answer is ready: log it, and with a shadow model, also have the shadow score it -- in a
+    def _answered(self, route: str, reqs: List[ClarifyRequest], resps: List[ClarifyResponse],
+                  tenant: Optional[TenantSpec] = None) -> None:
+        """After an answer is ready: count it, log it, and with a shadow model, also have the shadow score it -- in a
         task of its own (the response does not wait; the log record waits for the shadow's answer)."""
+        for r in resps:
+            self.metrics.observe_answer(r, model=self._model_label(tenant))
+        if tenant is not None:  # the shadow is a single-model deployment's (app.build_app refuses both)
+            return self._log_answers(route, reqs, resps, tenant=tenant)
         if self.shadow is None or self._rng.random() >= self.shadow_share:
             return self._log_answers(route, reqs, resps)
         if len(self._shadow_tasks) >= self.shadow_max_inflight:
@@ -313,7 +433,7 @@ class ClarifierIngress:
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    async def _call_model(self, method: str, arg: Any) -> Any:
+    async def _call_model(self, method: str, arg: Any, tenant: Optional[TenantSpec] = None) -> Any:
         """``self.model.<method>.remote(arg)``, sent again when the replica holding it died.
 
         Answering is a pure function of the request, so a request lost with its replica is safe to
@@ -327,18 +447,19 @@ class ClarifierIngress:
                         method, type(state.outcome.exception()).__name__, state.attempt_number, REPLICA_LOSS_RETRIES)
 
         try:
-            return await REPLICA_LOSS.acall(lambda: getattr(self.model, method).remote(arg), on=REPLICA_LOST,
+            handle = self.model if tenant is None else self._handle(tenant)
+            return await REPLICA_LOSS.acall(lambda: getattr(handle, method).remote(arg), on=REPLICA_LOST,
                                             on_retry=resent)
         except REPLICA_LOST:  # raised only by the last attempt: the others were sent again
             self.metrics.replica_lost.inc(outcome="unavailable")
             raise
 
-    def _unavailable(self, exc: Exception) -> JSONResponse:
+    def _unavailable(self, exc: Exception, model: str = "") -> JSONResponse:
         if isinstance(exc, REPLICA_LOST):
             return JSONResponse(status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}, content={"detail": {
                 "error": "unavailable", "limit": None,
                 "message": "the model replica answering this request stopped; retry later"}})
-        self.metrics.rejected.inc(reason="backpressure")
+        self.metrics.rejected.inc(model=model, reason="backpressure")
         if isinstance(exc, BackPressureError):
             limit = self.max_queued_requests if self.max_queued_requests >= 0 else exc.args[1]
             detail = {"error": "overloaded", "limit": "max_queued_requests", "max": limit,
@@ -350,29 +471,47 @@ class ClarifierIngress:
         return JSONResponse(status_code=503, content={"detail": detail},
                             headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    def _over_budget(self, d) -> JSONResponse:
-        self.metrics.rejected.inc(reason="latency_budget")
-        budget = self.admission.budget_s
+    def _over_budget(self, d, admission: LatencyBudget, model: str = "") -> JSONResponse:
+        self.metrics.rejected.inc(model=model, reason="latency_budget")
+        budget = admission.budget_s
         return JSONResponse(status_code=503, headers={"Retry-After": str(d.retry_after_s)}, content={"detail": {
             "error": "overloaded", "limit": "latency_budget_s", "max": budget, "admitted_at_once": d.limit,
             "message": f"{d.outstanding} requests are already being answered, as many as the model side answers "
-                       f"within serve.latency_budget_s={budget:g}s at its measured rate; retry after "
-                       f"{d.retry_after_s}s"}})
+                       f"within {'its tenant' if model and self.tenants else 'serve'}.latency_budget_s={budget:g}s "
+                       f"at its measured rate; retry after {d.retry_after_s}s"}})
 
-    async def _admitted(self, method: str, arg: Any, items: int):
-        """``_call_model`` under the latency-budget admission (a refusal is returned, not raised)."""
-        if self.admission is None:
-            return await self._call_model(method, arg), None
-        d = self.admission.try_admit(items)
-        self.metrics.admission_limit.set(d.limit)
+    def _rate_limited(self, tenant: TenantSpec, retry_after_s: int) -> JSONResponse:
+        self.metrics.rejected.inc(model=tenant.name, reason="rate_limit")
+        return JSONResponse(status_code=429, headers={"Retry-After": str(retry_after_s)}, content={"detail": {
+            "error": "rate_limited", "limit": "rate_limit_per_s", "max": tenant.rate_limit_per_s,
+            "message": f"model {tenant.name!r} is limited to {tenant.rate_limit_per_s:g} requests per second; retry "
+                       f"after {retry_after_s}s"}})
+
+    async def _admitted(self, method: str, arg: Any, items: int, tenant: Optional[TenantSpec] = None):
+        """``_call_model`` under the latency-budget admission -- the tenant's own budget and rate limit in a
+        multi-tenant deployment, so a tenant's burst sheds its own load -- (a refusal is returned, not raised)."""
+        admission = self.admission
+        if tenant is not None:
+            state = self._tenant_state.get(tenant.name) or {}
+            admission = state.get("budget")
+            rate_limit = state.get("rate")
+            if rate_limit is not None:
+                wait = rate_limit.try_take(items)
+                if wait:
+                    return None, self._rate_limited(tenant, wait)
+        if admission is None:
+            return await self._call_model(method, arg, tenant), None
+        d = admission.try_admit(items)
+        if tenant is None:
+            self.metrics.admission_limit.set(d.limit)
         if not d.admitted:
-            return None, self._over_budget(d)
+            return None, self._over_budget(d, admission, self._model_label(tenant))
         try:
-            return await self._call_model(method, arg), None
+            return await self._call_model(method, arg, tenant), None
         finally:
-            self.admission.done(items)
-            rate = self.admission.throughput()
-            if rate is not None:
+            admission.done(items)
+            rate = admission.throughput()
+            if rate is not None and tenant is None:
                 self.metrics.throughput.set(rate)
 
     def _internal_error(self) -> JSONResponse:
@@ -382,33 +521,35 @@ class ClarifierIngress:
             "error": "internal error", "error_id": error_id,
             "message": "the model failed on this request; see the server log for the error id"}})
 
-    async def _answer(self, method: str, arg, n: int):
-        """``(answers, None)``, or ``(None, response)`` when the request is refused (latency budget),
-        no replica can take it (503) or the model fails on it (500 with an error id)."""
+    async def _answer(self, method: str, arg, n: int, tenant: Optional[TenantSpec] = None):
+        """``(answers, None)``, or ``(None, response)`` when the request is refused (latency budget, a tenant's rate
+        limit), no replica can take it (503) or the model fails on it (500 with an error id)."""
         try:
-            return await self._admitted(method, arg, n)
+            return await self._admitted(method, arg, n, tenant)
         except (BackPressureError, DeploymentUnavailableError, *REPLICA_LOST) as exc:
-            return None, self._unavailable(exc)
+            return None, self._unavailable(exc, self._model_label(tenant))
         except Exception:
             return None, self._internal_error()
 
     # ---- routes ------------------------------------------------------------------------------
 
-    @fastapi_app.post("/v1/clarify", response_model=ClarifyResponse, dependencies=AUTH, responses=ERRORS)
-    async def clarify(self, body: ClarifyRequest) -> ClarifyResponse:
+    @fastapi_app.post("/v1/clarify", response_model=ClarifyResponse, responses=ERRORS)
+    async def clarify(self, body: ClarifyRequest, request: Request,
+                      caller: Caller = Depends(require_api_key)) -> ClarifyResponse:
         """Decide whether the latest turn needs clarification; ask the question if it does."""
+        tenant = self._tenant(request, caller, body.model or request.headers.get(MODEL_HEADER))
         check_limits(body, self.max_history_turns, self.max_chars)
-        resp, refused = await self._answer("clarify", body, 1)
+        resp, refused = await self._answer("clarify", body, 1, tenant)
         if refused is not None:
             return refused
-        self.metrics.observe_answer(resp)
-        self._answered("clarify", [body], [resp])
+        self._answered("clarify", [body], [resp], tenant)
         return resp
 
-    @fastapi_app.post("/v1/clarify/batch", response_model=List[ClarifyResponse], dependencies=AUTH,
+    @fastapi_app.post("/v1/clarify/batch", response_model=List[ClarifyResponse],
                       responses=ERRORS, openapi_extra=BATCH_BODY_DOC)
-    async def clarify_batch(self, body: List[ClarifyRequest]) -> List[ClarifyResponse]:
-        """Several independent requests in one call; answers in the same order."""
+    async def clarify_batch(self, body: List[ClarifyRequest], request: Request,
+                            caller: Caller = Depends(require_api_key)) -> List[ClarifyResponse]:
+        """Several independent requests in one call, of one model; answers in the same order."""
         if len(body) > self.max_batch_requests:
             raise HTTPException(413, detail={
                 "error": "request too large", "limit": "max_batch_requests", "max": self.max_batch_requests,
@@ -417,19 +558,23 @@ class ClarifierIngress:
         if not body:
             raise HTTPException(422, detail=[{"loc": ["body"], "msg": "batch is empty: send at least one request",
                                               "type": "too_short"}])
+        named = {r.model for r in body if r.model} | ({request.headers[MODEL_HEADER]} if MODEL_HEADER in request.headers
+                                                       else set())
+        if len(named) > 1 and self.tenants is not None:
+            raise HTTPException(400, detail={"error": "several models", "message": f"one batch is answered by one "
+                                             f"model; this one names {sorted(named)}"})
+        tenant = self._tenant(request, caller, next(iter(named), None))
         for i, req in enumerate(body):
             check_limits(req, self.max_history_turns, self.max_chars, index=i)
-        resps, refused = await self._answer("clarify_many", list(body), len(body))
+        resps, refused = await self._answer("clarify_many", list(body), len(body), tenant)
         if refused is not None:
             return refused
-        for r in resps:
-            self.metrics.observe_answer(r)
-        self._answered("clarify_batch", list(body), list(resps))
+        self._answered("clarify_batch", list(body), list(resps), tenant)
         return resps
 
-    @fastapi_app.post("/v1/chat/completions", dependencies=AUTH, responses=CHAT_ERRORS, openapi_extra=CHAT_BODY_DOC,
+    @fastapi_app.post("/v1/chat/completions", responses=CHAT_ERRORS, openapi_extra=CHAT_BODY_DOC,
                       tags=["OpenAI-compatible"])
-    async def chat_completions(self, request: Request) -> JSONResponse:
+    async def chat_completions(self, request: Request, caller: Caller = Depends(require_api_key)) -> JSONResponse:
         """OpenAI chat completions in the query-clarification contract: ``messages`` (the conversation, the
         last one the user's query) and ``documents`` -> ``choices[0].message.content`` =
         ``{"clarification": "<question>"}`` or ``{"clarification": "CLEAR"}``; Clarifier's own fields
@@ -447,20 +592,29 @@ class ClarifierIngress:
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             return JSONResponse(status_code=400, content=error_body(400, message, param="messages",
                                                                     code="invalid_value"))
+        tenant = self._tenant(request, caller, chat.model)
         check_limits(req, self.max_history_turns, self.max_chars)
-        resp, refused = await self._answer("clarify", req, 1)
+        resp, refused = await self._answer("clarify", req, 1, tenant)
         if refused is not None:
             return openai_error(refused)
-        self.metrics.observe_answer(resp)
         conversation = (chat.metadata or {}).get("conversation_id")
         if isinstance(conversation, (str, int)) and str(conversation):
             req = req.model_copy(update={"conversation_id": str(conversation)[:256]})
-        self._answered("chat_completions", [req], [resp])
-        return JSONResponse(chat_completion(resp, self.model_id))
+        self._answered("chat_completions", [req], [resp], tenant)
+        return JSONResponse(chat_completion(resp, self._model_label(tenant)))
 
-    @fastapi_app.get("/v1/models", dependencies=AUTH, responses={401: ERRORS[401]}, tags=["OpenAI-compatible"])
-    async def models(self) -> dict:
-        """The served model, as OpenAI lists models (``id`` is what chat completions answer with)."""
+    @fastapi_app.get("/v1/models", responses={401: ERRORS[401]}, tags=["OpenAI-compatible"])
+    async def models(self, caller: Caller = Depends(require_api_key)) -> dict:
+        """The served models the caller may call, as OpenAI lists models (``id`` is what chat completions answer
+        with; a key scoped to a tenant sees its own only)."""
+        if self.tenants is not None:
+            visible = self.tenants.visible(caller)
+            try:  # the versions one model replica holds now (a tenant no replica has loaded yet: null)
+                versions = await asyncio.wait_for(self._versions(), timeout=self.ready_timeout_s)
+            except Exception:
+                versions = {}
+            return models_list([(t.name, versions.get(t.name)) for t in visible], self.started)
+
         async def _version():
             return await self.model.version.remote()
 
@@ -469,6 +623,9 @@ class ClarifierIngress:
         except Exception:  # listing the model never fails on a replica that is still loading
             version = None
         return model_list(self.model_id, version, self.started)
+
+    async def _versions(self) -> dict:
+        return await self.model.versions.remote()
 
     @fastapi_app.get("/metrics", dependencies=AUTH, include_in_schema=False)
     async def metrics(self):

@@ -10,11 +10,14 @@ Every metric is recorded twice from the replica that owns it:
   ``GET /metrics`` on the HTTP API (only that ingress replica's counts; behind a load balancer with
   several ingress replicas, scrape Ray's endpoint instead).
 
-Ingress (per HTTP request / answer):
-  ``clarifier_requests_total{route,status}``, ``clarifier_request_latency_seconds{route}``,
-  ``clarifier_decisions_total{decision=clarify|answer}``, ``clarifier_path_total{path=fast|generate}``
+Ingress (per HTTP request / answer; ``model`` is the model id that answered: the tenant with ``serve.tenants_file``,
+empty where a request was refused before its model was known):
+  ``clarifier_requests_total{model,route,status}``, ``clarifier_request_latency_seconds{model,route}``,
+  ``clarifier_decisions_total{model,decision=clarify|answer}``, ``clarifier_path_total{model,path=fast|generate}``
   (fast path = decided in the single scoring pass, no decoding; share = fast / total),
-  ``clarifier_invalid_outputs_total``, ``clarifier_rejected_total{reason=backpressure|latency_budget|auth}``,
+  ``clarifier_invalid_outputs_total{model}``,
+  ``clarifier_rejected_total{model,reason=backpressure|latency_budget|rate_limit|auth|tenant}``,
+  ``clarifier_tenants``, ``clarifier_tenants_reloads_total{outcome=applied|refused}`` (``serve.tenants_file``),
   ``clarifier_admission_limit``, ``clarifier_measured_throughput`` (latency-budget admission, see ``admission``),
   ``clarifier_replica_lost_total{outcome=retried|unavailable}`` (model calls whose replica died or
   became unreachable mid-request: retried on another replica, or answered 503 once retries ran out),
@@ -100,18 +103,25 @@ class IngressMetrics:
             registry = CollectorRegistry(auto_describe=True)
         self.registry = registry
         kw = dict(registry=registry, ray=ray)
-        self.requests = _Dual("counter", "clarifier_requests_total", "HTTP requests by route and status code.",
-                              ("route", "status"), **kw)
+        self.requests = _Dual("counter", "clarifier_requests_total", "HTTP requests by model, route and status code.",
+                              ("model", "route", "status"), **kw)
         self.latency = _Dual("histogram", "clarifier_request_latency_seconds",
-                             "HTTP request latency (seconds) by route.", ("route",), buckets=LATENCY_BUCKETS, **kw)
-        self.decisions = _Dual("counter", "clarifier_decisions_total", "Answers by decision (clarify/answer).",
-                               ("decision",), **kw)
+                             "HTTP request latency (seconds) by model and route.", ("model", "route"),
+                             buckets=LATENCY_BUCKETS, **kw)
+        self.decisions = _Dual("counter", "clarifier_decisions_total", "Answers by model and decision (clarify/answer).",
+                               ("model", "decision"), **kw)
         self.path = _Dual("counter", "clarifier_path_total",
-                          "Answers by inference path: fast (decision pass only) or generate.", ("path",), **kw)
+                          "Answers by model and inference path: fast (decision pass only) or generate.",
+                          ("model", "path"), **kw)
         self.invalid = _Dual("counter", "clarifier_invalid_outputs_total",
-                             "Generations that did not parse (answered as no clarification).", **kw)
-        self.rejected = _Dual("counter", "clarifier_rejected_total", "Requests rejected before the model.",
-                              ("reason",), **kw)
+                             "Generations that did not parse (answered as no clarification), by model.", ("model",),
+                             **kw)
+        self.rejected = _Dual("counter", "clarifier_rejected_total", "Requests rejected before the model, by model "
+                              "(empty: not yet known) and reason.", ("model", "reason"), **kw)
+        self.tenants = _Dual("gauge", "clarifier_tenants", "Tenants this ingress serves (serve.tenants_file).", **kw)
+        self.tenants_reloads = _Dual("counter", "clarifier_tenants_reloads_total",
+                                     "Reads of a changed tenants file, by outcome (applied/refused).", ("outcome",),
+                                     **kw)
         self.admission_limit = _Dual("gauge", "clarifier_admission_limit",
                                      "Requests this ingress admits at once (latency budget x measured throughput).", **kw)
         self.throughput = _Dual("gauge", "clarifier_measured_throughput",
@@ -132,17 +142,17 @@ class IngressMetrics:
                                  "|shadow confidence - champion confidence| per shadowed request.",
                                  buckets=SHADOW_DIFF_BUCKETS, **kw)
 
-    def observe_request(self, route: str, status: int, seconds: float) -> None:
-        self.requests.inc(route=route, status=str(status))
-        self.latency.observe(seconds, route=route)
+    def observe_request(self, route: str, status: int, seconds: float, model: str = "") -> None:
+        self.requests.inc(model=model, route=route, status=str(status))
+        self.latency.observe(seconds, model=model, route=route)
 
-    def observe_answer(self, resp) -> None:
-        """Count one ClarifyResponse: decision, path (no generation = fast), validity."""
-        self.decisions.inc(decision="clarify" if resp.needs_clarification else "answer")
+    def observe_answer(self, resp, model: str = "") -> None:
+        """Count one ClarifyResponse of ``model``: decision, path (no generation = fast), validity."""
+        self.decisions.inc(model=model, decision="clarify" if resp.needs_clarification else "answer")
         generated = resp.needs_clarification or not resp.valid_output
-        self.path.inc(path="generate" if generated else "fast")
+        self.path.inc(model=model, path="generate" if generated else "fast")
         if not resp.valid_output:
-            self.invalid.inc()
+            self.invalid.inc(model=model)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

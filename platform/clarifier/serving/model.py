@@ -56,6 +56,31 @@ def replica_engine(uri: str, *, max_new_tokens: int = 48, tracking_uri: Optional
         raise
 
 
+async def answer_batch(clarify, items: list, metrics: ModelMetrics) -> List[Union[ClarifyResponse, _Failed]]:
+    """``clarify(items)`` in a thread (the engine is synchronous and CPU/GPU-bound: the event loop stays free for
+    health checks and queueing; one batch at a time, max_concurrent_batches=1); when the batch fails, each item again
+    alone, so one bad request does not fail its neighbours (it gets a :class:`_Failed`)."""
+    metrics.batch_size.observe(len(items))
+    t0 = time.perf_counter()
+    try:
+        out = list(await asyncio.to_thread(clarify, items))
+        metrics.batch_latency.observe(time.perf_counter() - t0)
+        return out
+    except Exception:
+        if len(items) == 1:
+            log.exception("clarify failed")
+            return [_Failed("clarify failed")]
+    log.warning("batch of %d failed; retrying one by one", len(items))
+    out: List[Union[ClarifyResponse, _Failed]] = []
+    for item in items:
+        try:
+            out.extend(await asyncio.to_thread(clarify, [item]))
+        except Exception:
+            log.exception("clarify failed")
+            out.append(_Failed("clarify failed"))
+    return out
+
+
 @serve.deployment(name="ClarifierModel")
 class ClarifierModel:
     """The current :class:`ClarifierEngine` of this replica; requests are batched dynamically."""
@@ -102,28 +127,7 @@ class ClarifierModel:
     async def _clarify_batch(self, requests: List[ClarifyRequest]) -> List[Union[ClarifyResponse, _Failed]]:
         # One engine for the whole batch: a hot switch in the middle does not affect it (it keeps
         # its reference to the old engine until it finishes).
-        engine = self.lifecycle.engine
-        self.metrics.batch_size.observe(len(requests))
-        t0 = time.perf_counter()
-        # The engine is synchronous and CPU/GPU-bound: run it off the event loop so health checks
-        # and queueing stay responsive. One batch at a time (max_concurrent_batches=1).
-        try:
-            out = list(await asyncio.to_thread(engine.clarify, list(requests)))
-            self.metrics.batch_latency.observe(time.perf_counter() - t0)
-            return out
-        except Exception:
-            if len(requests) == 1:
-                log.exception("clarify failed")
-                return [_Failed("clarify failed")]
-        log.warning("batch of %d failed; retrying one by one", len(requests))
-        out: List[Union[ClarifyResponse, _Failed]] = []
-        for r in requests:
-            try:
-                out.extend(await asyncio.to_thread(engine.clarify, [r]))
-            except Exception:
-                log.exception("clarify failed")
-                out.append(_Failed("clarify failed"))
-        return out
+        return await answer_batch(self.lifecycle.engine.clarify, list(requests), self.metrics)
 
     async def clarify(self, request: ClarifyRequest) -> ClarifyResponse:
         result = await self._clarify_batch(request)

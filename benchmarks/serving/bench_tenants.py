@@ -1,0 +1,330 @@
+"""Many assistants, one deployment: what each added tenant costs a model replica, in one run.
+
+    .venv/bin/python benchmarks/serving/bench_tenants.py                      # the shipped model, ~15 min on 2 CPUs
+    .venv/bin/python benchmarks/serving/bench_tenants.py --tiny --requests 16 # smoke run (tiny test model)
+
+Tenants are made from one model (``--model``, default ``builtin:clarifier-smollm2-135m``) the way teams get them:
+
+* **head tenants**: ``clarifier adapt`` copies: the same adapter, the decision head nudged (each weight times
+  ``1 + 0.05 N(0, 1)``, its own seed) and a threshold of 2 so every request takes the fast path (the decision pass
+  alone: the path four requests in five take, and the one a head changes);
+* **adapter tenants**: a LoRA adapter of their own (the model's adapter with ``1e-3`` relative noise: other weights,
+  the same size), each its own trunk.
+
+One Ray instance, one model replica of ``--cpus`` CPUs, deployments one after another:
+
+* ``single``: the model alone (``serve.model_uri``): fast-path latency at concurrency 1 and replica memory (RSS of
+  the replica process after its requests);
+* ``heads_<n>`` for n in ``--tenants`` (default 1,10,50): a tenants file of n head tenants, requests round-robin over
+  them; the same latency and memory after every tenant answered. Memory per added tenant = (RSS(n) - RSS(1)) / (n - 1)
+  and the ratio to ``single``;
+* ``adapters``: ``--adapters`` (default 5) adapter tenants with ``serve.max_adapters_per_replica=2``: latency of a
+  request whose adapter is held (hit) and of one whose adapter must be loaded, evicting another (miss = the swap);
+* ``burst``: 10 head tenants, one of them sent ``--burst-concurrency`` requests at once for ``--burst-s`` seconds while
+  the others are called at concurrency 2; each tenant has ``latency_budget_s=--budget``. Recorded: the others'
+  p50/p99 against the budget, and how much of the burster's load was shed (503s).
+
+Results go to ``benchmarks/results/serving-tenants_<tag>-<date>.json`` (never overwritten).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
+from common import cpu_info, result_file, write_result  # noqa: E402
+from bench_serving import _percentile, build_workload, tiny_model  # noqa: E402
+
+
+def _lat(xs: list[float]) -> dict:
+    ms = [x * 1000 for x in xs]
+    return {"n": len(ms), "p50": round(_percentile(ms, 0.5), 2), "p99": round(_percentile(ms, 0.99), 2),
+            "mean": round(statistics.fmean(ms), 2) if ms else None}
+
+
+def linked_copy(src: Path, out: Path, skip: tuple = ()) -> Path:
+    """``out`` with every file of ``src`` symlinked but ``skip`` (the model's weights are read, never copied)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in skip:
+            (out / f.name).symlink_to(f.resolve())
+    return out
+
+
+def head_tenant(src: Path, out: Path, seed: int) -> Path:
+    """An ``adapt``-like copy: the adapter shared, the decision head nudged, threshold 2 (always the fast path)."""
+    import torch
+
+    from clarifier.engine.decision_head import DecisionHead
+    from clarifier.engine.inference import read_meta, write_meta
+
+    linked_copy(src, out, skip=("decision_head.safetensors", "clarifier.json", "MODEL_CARD.md", "card.json"))
+    head = DecisionHead.load(src)
+    if head is None:
+        raise SystemExit(f"{src} has no decision head: head tenants need one")
+    g = torch.Generator().manual_seed(seed)
+    head.weight = head.weight * (1 + 0.05 * torch.randn(head.weight.shape, generator=g))
+    head.save(out)
+    meta = read_meta(src)
+    meta.threshold = 2.0
+    write_meta(out, meta)
+    return out
+
+
+def adapter_tenant(src: Path, out: Path, seed: int) -> Path:
+    """A tenant with its own adapter: the model's LoRA weights with 1e-3 relative noise (another trunk)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    linked_copy(src, out, skip=("adapter_model.safetensors", "clarifier.json", "MODEL_CARD.md", "card.json"))
+    g = torch.Generator().manual_seed(1000 + seed)
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    noisy = {k: (v.float() * (1 + 1e-3 * torch.randn(v.shape, generator=g))).to(v.dtype) for k, v in tensors.items()}
+    save_file(noisy, str(out / "adapter_model.safetensors"))
+    from clarifier.engine.inference import read_meta, write_meta
+
+    meta = read_meta(src)
+    meta.threshold = 2.0
+    write_meta(out, meta)
+    return out
+
+
+def replica_rss_mib() -> float:
+    """Resident memory of the model replica process (this machine's: Ray titles it ``ray::ServeReplica:...``)."""
+    import psutil
+
+    procs = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "ServeReplica:clarifier:ClarifierModel" in cmd:
+            procs.append(proc)
+    if len(procs) != 1:
+        raise RuntimeError(f"expected one model replica process, found {len(procs)}")
+    return procs[0].memory_info().rss / 2**20
+
+
+async def _send(url: str, bodies: list[dict], concurrency: int, headers_for=None, stop_at: float | None = None,
+                timeout: float = 600) -> list[tuple]:
+    """Each body once (or round-robin until ``stop_at``), ``concurrency`` at a time: [(status, seconds, model)]."""
+    import httpx
+
+    out: list = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        it = iter(range(10**9))
+
+        async def worker():
+            while True:
+                i = next(it)
+                if stop_at is None and i >= len(bodies):
+                    return
+                if stop_at is not None and time.perf_counter() >= stop_at:
+                    return
+                body = bodies[i % len(bodies)]
+                t0 = time.perf_counter()
+                try:
+                    r = await client.post(f"{url}/v1/clarify", json=body)
+                    out.append((r.status_code, time.perf_counter() - t0, body.get("model")))
+                except httpx.HTTPError as exc:
+                    out.append((type(exc).__name__, time.perf_counter() - t0, body.get("model")))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
+
+
+def send(url, bodies, concurrency=1, stop_at=None):
+    return asyncio.run(_send(url, bodies, concurrency, stop_at=stop_at))
+
+
+def ok_latencies(results: list[tuple]) -> list[float]:
+    bad = [r for r in results if r[0] != 200]
+    if bad:
+        raise RuntimeError(f"{len(bad)} request(s) failed: {bad[:3]}")
+    return [dt for _, dt, _ in results]
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", default="builtin:clarifier-smollm2-135m", help="the model the tenants are made from")
+    src.add_argument("--tiny", action="store_true", help="the tiny test model with a random head (smoke runs)")
+    ap.add_argument("--tenants", default="1,10,50", help="head-tenant counts")
+    ap.add_argument("--adapters", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=48, help="timed requests per deployment at concurrency 1")
+    ap.add_argument("--cpus", type=float, default=2)
+    ap.add_argument("--budget", type=float, default=3.0, help="each tenant's latency_budget_s in the burst")
+    ap.add_argument("--burst-concurrency", type=int, default=32)
+    ap.add_argument("--burst-s", type=float, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    tag = "tiny-cpu" if a.tiny else "model-cpu"
+    out_path = result_file(f"serving-tenants_{tag}-{time.strftime('%Y-%m-%d')}", a.out)
+    counts = [int(x) for x in a.tenants.split(",") if x]
+
+    import logging
+
+    import ray
+    import yaml
+    from ray import serve
+
+    logging.getLogger("clarifier.engine.inference").setLevel(logging.ERROR)
+    from clarifier.core.config import ServeConfig
+    from clarifier.engine.loading import resolve_model
+    from clarifier.runtime.services import free_port
+    from clarifier.serving.app import run_local
+
+    work = Path(tempfile.mkdtemp(prefix="bench-tenants-"))
+    if a.tiny:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from support.adapters import with_head
+
+        model = with_head(tiny_model(work), work / "tiny-head", threshold=2.0, seed=0)
+    else:
+        model = resolve_model(a.model).folder
+    heads = [head_tenant(model, work / f"head-{i}", seed=i) for i in range(max(counts + [10]))]
+    adapters = [adapter_tenant(model, work / f"adapter-{i}", seed=i) for i in range(a.adapters)]
+    workload = build_workload(max(a.requests, 64), clear_share=0.8, seed=0)
+    print(f"[bench_tenants] {len(heads)} head tenants and {len(adapters)} adapter tenants from {model} in {work}",
+          flush=True)
+
+    os.environ.pop("CLARIFIER_API_KEYS", None)
+    ray.init(num_cpus=max(4, int(a.cpus) + 2), include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    base = dict(port=port, cpus_per_replica=a.cpus, max_new_tokens=a.max_new_tokens, model_refresh_s=0,
+                tenants_refresh_s=0)
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_info(),
+                    "model": str(a.model if not a.tiny else "tiny"), "cpus_per_replica": a.cpus,
+                    "requests": a.requests, "args": vars(a), "deployments": {}}
+
+    def deploy(**cfg) -> str:
+        serve.delete("clarifier") if "clarifier" in serve.status().applications else None
+        return run_local(ServeConfig(**{**base, **cfg}), ready_timeout_s=600, say=lambda _m: None)
+
+    def tenants_file(name: str, specs: list[dict], default: str | None = None) -> str:
+        path = work / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"tenants": specs, **({"default": default} if default else {})}))
+        return str(path)
+
+    def timed(url: str, models: list[str | None]) -> dict:
+        bodies = [{**workload[i % len(workload)], **({"model": m} if m else {})}
+                  for i, m in zip(range(len(models)), models)]
+        send(url, bodies[:8])  # warm-up
+        t0 = time.perf_counter()
+        lat = ok_latencies(send(url, bodies))
+        return {"latency": _lat(lat), "wall_s": round(time.perf_counter() - t0, 2)}
+
+    # ---- one model, then n head tenants --------------------------------------------------------------
+    url = deploy(model_uri=str(heads[0]))
+    single = timed(url, [None] * a.requests)
+    single["rss_mib"] = round(replica_rss_mib(), 1)
+    result["deployments"]["single"] = single
+    print(f"[bench_tenants] single: p50 {single['latency']['p50']} ms, replica {single['rss_mib']} MiB", flush=True)
+    for n in counts:
+        names = [f"t{i:02d}" for i in range(n)]
+        f = tenants_file(f"heads-{n}", [{"name": nm, "model_uri": str(heads[i])} for i, nm in enumerate(names)])
+        url = deploy(tenants_file=f)
+        t0 = time.perf_counter()
+        ok_latencies(send(url, [{**workload[i], "model": nm} for i, nm in enumerate(names)]))  # every tenant once
+        first = time.perf_counter() - t0
+        models = [names[i % n] for i in range(a.requests)]
+        row = timed(url, models)
+        row.update(tenants=n, first_request_each_s=round(first, 2), rss_mib=round(replica_rss_mib(), 1))
+        result["deployments"][f"heads_{n}"] = row
+        print(f"[bench_tenants] {n} head tenants: p50 {row['latency']['p50']} ms, replica {row['rss_mib']} MiB",
+              flush=True)
+
+    # ---- adapter tenants: hits and misses (a swap) -------------------------------------------------------
+    names = [f"a{i}" for i in range(len(adapters))]
+    f = tenants_file("adapters", [{"name": nm, "model_uri": str(adapters[i])} for i, nm in enumerate(names)])
+    url = deploy(tenants_file=f, max_adapters_per_replica=2)
+    hits, misses = [], []
+    held: list[str] = []  # what the replica should hold, most recent last (the preloaded first tenant)
+    held.append(names[0])
+    order = [names[0], names[0]] + [nm for k in range(3) for nm in names[1:] + [names[0]]][:3 * len(names)]
+    for i, nm in enumerate(order):
+        r = send(url, [{**workload[i % len(workload)], "model": nm}])
+        (hits if nm in held else misses).append(ok_latencies(r)[0])
+        if nm in held:
+            held.remove(nm)
+        held.append(nm)
+        held = held[-2:]
+        r = send(url, [{**workload[(i + 1) % len(workload)], "model": nm}])  # held now
+        hits.append(ok_latencies(r)[0])
+    result["deployments"]["adapters"] = {"tenants": len(adapters), "max_adapters_per_replica": 2,
+                                         "hit": _lat(hits), "miss": _lat(misses), "rss_mib": round(replica_rss_mib(), 1)}
+    print(f"[bench_tenants] adapters: hit p50 {_lat(hits)['p50']} ms, miss (swap) p50 {_lat(misses)['p50']} ms",
+          flush=True)
+
+    # ---- a bursting tenant ---------------------------------------------------------------------------------
+    names = [f"t{i:02d}" for i in range(10)]
+    f = tenants_file("burst", [{"name": nm, "model_uri": str(heads[i]), "latency_budget_s": a.budget}
+                               for i, nm in enumerate(names)])
+    url = deploy(tenants_file=f, max_queued_requests=None, latency_budget_s=a.budget)
+    ok_latencies(send(url, [{**workload[i], "model": nm} for i, nm in enumerate(names)]))
+    quiet = timed(url, [names[1 + i % 9] for i in range(a.requests)])
+    import threading
+
+    stop_at = time.perf_counter() + a.burst_s
+    burst_out: list = []
+    t = threading.Thread(target=lambda: burst_out.extend(asyncio.run(_send(
+        url, [{**workload[i % len(workload)], "model": names[0]} for i in range(64)], a.burst_concurrency,
+        stop_at=stop_at))))
+    t.start()
+    time.sleep(2)
+    others = send(url, [{**workload[i % len(workload)], "model": names[1 + i % 9]} for i in range(64)], 2,
+                  stop_at=stop_at)
+    t.join()
+    other_lat = [dt for code, dt, _ in others if code == 200]
+    codes: dict = {}
+    for code, _, _ in burst_out:
+        codes[str(code)] = codes.get(str(code), 0) + 1
+    other_codes: dict = {}
+    for code, _, _ in others:
+        other_codes[str(code)] = other_codes.get(str(code), 0) + 1
+    burst_ok = [dt for code, dt, _ in burst_out if code == 200]
+    result["deployments"]["burst"] = {
+        "tenants": 10, "budget_s": a.budget, "burst_concurrency": a.burst_concurrency, "burst_s": a.burst_s,
+        "others_quiet": quiet["latency"], "others_during_burst": _lat(other_lat), "others_codes": other_codes,
+        "burster_codes": codes, "burster_latency": _lat(burst_ok),
+        "burster_shed_share": round(1 - codes.get("200", 0) / max(1, len(burst_out)), 3),
+        "others_p99_within_budget": _percentile(other_lat, 0.99) <= a.budget if other_lat else None,
+        "others_failed": sum(v for k, v in other_codes.items() if k != "200"),
+    }
+    print(f"[bench_tenants] burst: others p99 {_lat(other_lat)['p99']} ms (budget {a.budget * 1000:.0f}), burster "
+          f"codes {codes}", flush=True)
+    serve.shutdown()
+    ray.shutdown()
+
+    d = result["deployments"]
+    r: dict = {}
+    if "heads_1" in d:
+        r["p50_heads_1_over_single"] = round(d["heads_1"]["latency"]["p50"] / single["latency"]["p50"], 3)
+    big = max(counts)
+    if f"heads_{big}" in d:
+        r[f"p50_heads_{big}_over_single"] = round(d[f"heads_{big}"]["latency"]["p50"] / single["latency"]["p50"], 3)
+        r[f"rss_heads_{big}_over_single"] = round(d[f"heads_{big}"]["rss_mib"] / single["rss_mib"], 4)
+        if "heads_1" in d and big > 1:
+            r["mib_per_added_head_tenant"] = round((d[f"heads_{big}"]["rss_mib"] - d["heads_1"]["rss_mib"]) / (big - 1), 3)
+    r["adapter_miss_over_hit_p50"] = round(d["adapters"]["miss"]["p50"] / d["adapters"]["hit"]["p50"], 2)
+    r["others_p99_during_burst_over_budget"] = round(d["burst"]["others_during_burst"]["p99"] / (a.budget * 1000), 3)
+    result["ratios"] = r
+    print(json.dumps(r, indent=2))
+    print(f"[bench_tenants] wrote {write_result(out_path.stem, result, out_path)}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
