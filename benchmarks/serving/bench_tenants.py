@@ -11,13 +11,14 @@ Tenants are made from one model (``--model``, default ``builtin:clarifier-smollm
 * **adapter tenants**: a LoRA adapter of their own (the model's adapter with ``1e-3`` relative noise: other weights,
   the same size), each its own trunk.
 
-One Ray instance, one model replica of ``--cpus`` CPUs, deployments one after another:
+One Ray instance; each application has one model replica of ``--cpus`` CPUs:
 
-* ``single``: the model alone (``serve.model_uri``): fast-path latency at concurrency 1 and replica memory (RSS of
-  the replica process after its requests);
-* ``heads_<n>`` for n in ``--tenants`` (default 1,10,50): a tenants file of n head tenants, requests round-robin over
-  them; the same latency and memory after every tenant answered. Memory per added tenant = (RSS(n) - RSS(1)) / (n - 1)
-  and the ratio to ``single``;
+* ``single`` (at ``/single``): the model alone (``serve.model_uri``), deployed beside each of the following;
+* ``heads_<n>`` for n in ``--tenants`` (default 1,10,50): a tenants file of n head tenants (at ``/tenants``). Each of
+  ``--requests`` workload turns is sent once to ``single`` and once to a tenant (round-robin over the n), one at a
+  time, the two in random order, so drift and noise hit both alike: the p50 ratio comes with a paired bootstrap
+  interval. Memory: RSS of the tenants replica after its first tenant answered and after every tenant answered (the
+  same process): the share the other n - 1 tenants added, and per tenant;
 * ``adapters``: ``--adapters`` (default 5) adapter tenants with ``serve.max_adapters_per_replica=2``: latency of a
   request whose adapter is held (hit) and of one whose adapter must be loaded, evicting another (miss = the swap);
 * ``burst``: 10 head tenants, one of them sent ``--burst-concurrency`` requests at once for ``--burst-s`` seconds while
@@ -101,14 +102,15 @@ def adapter_tenant(src: Path, out: Path, seed: int) -> Path:
     return out
 
 
-def replica_rss_mib() -> float:
-    """Resident memory of the model replica process (this machine's: Ray titles it ``ray::ServeReplica:...``)."""
+def replica_rss_mib(app: str) -> float:
+    """Resident memory of application ``app``'s model replica (this machine's: Ray titles it
+    ``ray::ServeReplica:<app>:ClarifierModel``)."""
     import psutil
 
     procs = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if "ServeReplica:clarifier:ClarifierModel" in cmd:
+        if f"ServeReplica:{app}:ClarifierModel" in cmd:
             procs.append(proc)
     if len(procs) != 1:
         raise RuntimeError(f"expected one model replica process, found {len(procs)}")
@@ -148,6 +150,18 @@ def send(url, bodies, concurrency=1, stop_at=None):
     return asyncio.run(_send(url, bodies, concurrency, stop_at=stop_at))
 
 
+def paired_p50_ratio(a: list[float], b: list[float], n_boot: int = 2000, seed: int = 0) -> tuple:
+    """median(a) / median(b) over paired samples, with a 95% paired bootstrap interval (pairs resampled)."""
+    import numpy as np
+
+    x, y = np.asarray(a), np.asarray(b)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(x), size=(n_boot, len(x)))
+    boots = np.median(x[idx], axis=1) / np.median(y[idx], axis=1)
+    return (round(float(np.median(x) / np.median(y)), 4), round(float(np.quantile(boots, 0.025)), 4),
+            round(float(np.quantile(boots, 0.975)), 4))
+
+
 def ok_latencies(results: list[tuple]) -> list[float]:
     bad = [r for r in results if r[0] != 200]
     if bad:
@@ -184,7 +198,7 @@ def main(argv: list[str]) -> None:
     from clarifier.core.config import ServeConfig
     from clarifier.engine.loading import resolve_model
     from clarifier.runtime.services import free_port
-    from clarifier.serving.app import run_local
+    from clarifier.serving.app import base_url, build_app, wait_ready
 
     work = Path(tempfile.mkdtemp(prefix="bench-tenants-"))
     if a.tiny:
@@ -201,7 +215,7 @@ def main(argv: list[str]) -> None:
           flush=True)
 
     os.environ.pop("CLARIFIER_API_KEYS", None)
-    ray.init(num_cpus=max(4, int(a.cpus) + 2), include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=int(2 * a.cpus) + 2, include_dashboard=False, log_to_driver=False)  # two replicas at once
     port = free_port()
     base = dict(port=port, cpus_per_replica=a.cpus, max_new_tokens=a.max_new_tokens, model_refresh_s=0,
                 tenants_refresh_s=0)
@@ -209,9 +223,15 @@ def main(argv: list[str]) -> None:
                     "model": str(a.model if not a.tiny else "tiny"), "cpus_per_replica": a.cpus,
                     "requests": a.requests, "args": vars(a), "deployments": {}}
 
-    def deploy(**cfg) -> str:
-        serve.delete("clarifier") if "clarifier" in serve.status().applications else None
-        return run_local(ServeConfig(**{**base, **cfg}), ready_timeout_s=600, say=lambda _m: None)
+    def deploy(app: str = "tenants", **cfg) -> str:
+        """Deploy (or replace) application ``app`` at ``/<app>`` and wait until it answers; its base URL."""
+        if app in serve.status().applications:
+            serve.delete(app)
+        c = ServeConfig(**{**base, **cfg, "route_prefix": f"/{app}"})
+        serve.start(http_options={"host": c.host, "port": c.port})
+        serve.run(build_app(c), name=app, route_prefix=f"/{app}")
+        wait_ready(base_url(c), timeout_s=600)
+        return base_url(c)
 
     def tenants_file(name: str, specs: list[dict], default: str | None = None) -> str:
         path = work / f"{name}.yaml"
@@ -226,25 +246,46 @@ def main(argv: list[str]) -> None:
         lat = ok_latencies(send(url, bodies))
         return {"latency": _lat(lat), "wall_s": round(time.perf_counter() - t0, 2)}
 
-    # ---- one model, then n head tenants --------------------------------------------------------------
-    url = deploy(model_uri=str(heads[0]))
-    single = timed(url, [None] * a.requests)
-    single["rss_mib"] = round(replica_rss_mib(), 1)
-    result["deployments"]["single"] = single
-    print(f"[bench_tenants] single: p50 {single['latency']['p50']} ms, replica {single['rss_mib']} MiB", flush=True)
+    def one(url: str, body: dict) -> float:
+        return ok_latencies(send(url, [body]))[0]
+
+    # ---- one model beside n head tenants: paired requests, same bodies ---------------------------------------
+    single_url = deploy("single", model_uri=str(heads[0]))
+    send(single_url, workload[:8])
+    result["deployments"]["single"] = {"rss_mib": round(replica_rss_mib("single"), 1)}
+    print(f"[bench_tenants] single: replica {result['deployments']['single']['rss_mib']} MiB", flush=True)
+    rng = random.Random(0)
     for n in counts:
         names = [f"t{i:02d}" for i in range(n)]
         f = tenants_file(f"heads-{n}", [{"name": nm, "model_uri": str(heads[i])} for i, nm in enumerate(names)])
         url = deploy(tenants_file=f)
+        one(url, {**workload[0], "model": names[0]})
+        rss_first = replica_rss_mib("tenants")
         t0 = time.perf_counter()
-        ok_latencies(send(url, [{**workload[i], "model": nm} for i, nm in enumerate(names)]))  # every tenant once
+        ok_latencies(send(url, [{**workload[i % len(workload)], "model": nm} for i, nm in enumerate(names)]))
         first = time.perf_counter() - t0
-        models = [names[i % n] for i in range(a.requests)]
-        row = timed(url, models)
-        row.update(tenants=n, first_request_each_s=round(first, 2), rss_mib=round(replica_rss_mib(), 1))
+        rss_all = replica_rss_mib("tenants")
+        send(url, [{**workload[i], "model": names[i % n]} for i in range(8)])  # warm-up of both, same bodies
+        send(single_url, workload[:8])
+        lat_single, lat_tenants = [], []
+        for i in range(a.requests):  # one request to each, in random order: drift and noise hit both alike
+            body = workload[i % len(workload)]
+            pair = [("s", single_url, body), ("t", url, {**body, "model": names[i % n]})]
+            rng.shuffle(pair)
+            got = {k: one(u, b) for k, u, b in pair}
+            lat_single.append(got["s"])
+            lat_tenants.append(got["t"])
+        ratio, lo, hi = paired_p50_ratio(lat_tenants, lat_single)
+        row = {"tenants": n, "single": _lat(lat_single), "latency": _lat(lat_tenants),
+               "p50_over_single": ratio, "p50_over_single_ci95": [lo, hi],
+               "first_request_each_s": round(first, 2), "rss_mib_first_tenant": round(rss_first, 1),
+               "rss_mib": round(rss_all, 1), "rss_added_share": round(rss_all / rss_first - 1, 4),
+               "rss_over_single": round(rss_all / result["deployments"]["single"]["rss_mib"], 4),
+               "mib_per_added_tenant": round((rss_all - rss_first) / (n - 1), 3) if n > 1 else None}
         result["deployments"][f"heads_{n}"] = row
-        print(f"[bench_tenants] {n} head tenants: p50 {row['latency']['p50']} ms, replica {row['rss_mib']} MiB",
-              flush=True)
+        print(f"[bench_tenants] {n} head tenants: p50 {row['latency']['p50']} ms vs single {row['single']['p50']} "
+              f"({ratio:.3f}x [{lo:.3f}, {hi:.3f}]), replica {rss_first:.0f} -> {rss_all:.0f} MiB", flush=True)
+    serve.delete("single")
 
     # ---- adapter tenants: hits and misses (a swap) -------------------------------------------------------
     names = [f"a{i}" for i in range(len(adapters))]
@@ -264,7 +305,7 @@ def main(argv: list[str]) -> None:
         r = send(url, [{**workload[(i + 1) % len(workload)], "model": nm}])  # held now
         hits.append(ok_latencies(r)[0])
     result["deployments"]["adapters"] = {"tenants": len(adapters), "max_adapters_per_replica": 2,
-                                         "hit": _lat(hits), "miss": _lat(misses), "rss_mib": round(replica_rss_mib(), 1)}
+                                         "hit": _lat(hits), "miss": _lat(misses), "rss_mib": round(replica_rss_mib("tenants"), 1)}
     print(f"[bench_tenants] adapters: hit p50 {_lat(hits)['p50']} ms, miss (swap) p50 {_lat(misses)['p50']} ms",
           flush=True)
 
@@ -310,14 +351,9 @@ def main(argv: list[str]) -> None:
 
     d = result["deployments"]
     r: dict = {}
-    if "heads_1" in d:
-        r["p50_heads_1_over_single"] = round(d["heads_1"]["latency"]["p50"] / single["latency"]["p50"], 3)
-    big = max(counts)
-    if f"heads_{big}" in d:
-        r[f"p50_heads_{big}_over_single"] = round(d[f"heads_{big}"]["latency"]["p50"] / single["latency"]["p50"], 3)
-        r[f"rss_heads_{big}_over_single"] = round(d[f"heads_{big}"]["rss_mib"] / single["rss_mib"], 4)
-        if "heads_1" in d and big > 1:
-            r["mib_per_added_head_tenant"] = round((d[f"heads_{big}"]["rss_mib"] - d["heads_1"]["rss_mib"]) / (big - 1), 3)
+    for n in counts:
+        r[f"p50_heads_{n}_over_single"] = d[f"heads_{n}"]["p50_over_single"]
+        r[f"rss_added_share_heads_{n}"] = d[f"heads_{n}"]["rss_added_share"]
     r["adapter_miss_over_hit_p50"] = round(d["adapters"]["miss"]["p50"] / d["adapters"]["hit"]["p50"], 2)
     r["others_p99_during_burst_over_budget"] = round(d["burst"]["others_during_burst"]["p99"] / (a.budget * 1000), 3)
     result["ratios"] = r

@@ -941,10 +941,11 @@ def tenants_check(file: str = typer.Argument(..., help="Tenants file (a path or 
         for t in spec.tenants:
             keys[t.name] = weights_key(resolve_model(t.model_uri, tracking_uri=tracking_uri(cfg.tracking.tracking_uri)).folder)
     t = Table(title=f"{len(spec.tenants)} tenant(s) in {file}" + (f", default {spec.default}" if spec.default else ""))
-    for col in ("tenant", "model", "keys", "latency budget", "rate limit", *(["weights"] if resolve else [])):
+    for col in ("tenant", "model", "shadow", "keys", "latency budget", "rate limit", *(["weights"] if resolve else [])):
         t.add_column(col, overflow="fold")
     for x in spec.tenants:
-        t.add_row(x.name, x.model_uri, str(len(x.keys_sha256)),
+        shadow = f"{x.shadow_model_uri} ({x.shadow_share:.0%})" if x.shadow_model_uri else "-"
+        t.add_row(x.name, x.model_uri, shadow, str(len(x.keys_sha256)),
                   f"{x.latency_budget_s:g} s" if x.latency_budget_s else "serve's",
                   f"{x.rate_limit_per_s:g}/s (burst {x.rate_burst or max(1, -(-x.rate_limit_per_s // 1)):g})"
                   if x.rate_limit_per_s else "-", *([keys[x.name]] if resolve else []))

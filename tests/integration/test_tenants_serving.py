@@ -67,10 +67,11 @@ def hr_versions(folders, mlflow_server):
     return versions
 
 
-def _tenants(folders) -> dict:
+def _tenants(folders, hr_versions=None) -> dict:
     return {"default": "support", "tenants": [
         {"name": "support", "model_uri": str(folders["support"]), "keys_sha256": [key_digest(SUPPORT_KEY)]},
-        {"name": "hr", "model_uri": f"models:/{HR_NAME}@champion", "keys_sha256": [key_digest(HR_KEY)]},
+        {"name": "hr", "model_uri": f"models:/{HR_NAME}@champion", "keys_sha256": [key_digest(HR_KEY)],
+         "shadow_model_uri": f"models:/{HR_NAME}/2"},
         {"name": "own", "model_uri": str(folders["own"])},
         {"name": "bursty", "model_uri": str(folders["bursty"]), "rate_limit_per_s": 0.2, "rate_burst": 2},
     ]}
@@ -128,6 +129,28 @@ def test_each_request_is_answered_by_its_tenants_model(served, folders, hr_versi
 
 
 @pytest.mark.timeout(600)
+def test_concurrent_tenants_share_batches_and_never_fail(served, folders):
+    """Requests of three tenants at once (two heads over one adapter, one adapter of its own): every one answered by
+    its own model, and the replica's dynamic batches mix tenants (one forward pass per adapter) instead of running one
+    batch per tenant side by side."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray import serve
+
+    url = served["url"]
+    tenants = ["support", "hr", "own"] * 8
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda kv: (kv[1], _clarify(url, model=kv[1], query=f"reset {kv[0]}?")),
+                                enumerate(tenants)))
+    assert [r.status_code for _, r in answers] == [200] * len(tenants)
+    for tenant, r in answers:
+        if tenant in ("support", "own"):  # own: a trunk of its own, in the same batches
+            assert r.json()["model_version"] == str(folders[tenant])
+    stats = serve.get_deployment_handle("ClarifierModel", app_name="clarifier").batch_stats.remote().result()
+    assert stats["mixed"] >= 1 and stats["most_tenants"] >= 2, stats
+
+
+@pytest.mark.timeout(600)
 def test_isolation_rules(served):
     url = served["url"]
     for named in ("hr", "no-such-model"):  # a scoped key learns nothing of other tenants
@@ -167,7 +190,9 @@ def _logged(folder: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
-def test_request_logs_are_written_per_tenant(served):
+def test_request_logs_are_written_per_tenant_with_the_tenants_shadow(served, hr_versions):
+    from clarifier.registry.shadow import read_records, shadow_stats
+
     url = served["url"]
     assert _clarify(url, model="own", query="log me in own?", conversation_id="c-own").status_code == 200
     assert _clarify(url, key=HR_KEY, query="log me in hr?", conversation_id="c-hr").status_code == 200
@@ -180,6 +205,13 @@ def test_request_logs_are_written_per_tenant(served):
     assert any(r["conversation_id"] == "c-own" for r in own) and not any(r["conversation_id"] == "c-hr" for r in own)
     assert any(r["conversation_id"] == "c-hr" for r in hr) and not any(r["conversation_id"] == "c-own" for r in hr)
     assert not list(served["logs"].glob("*.jsonl.gz"))  # nothing outside a tenant's folder
+    # hr's challenger scored its requests beside the champion, into hr's log only: the promotion gate's evidence
+    assert all("shadow" not in r["turns"][-1]["meta"] for r in own)
+    stats = shadow_stats(read_records(str(served["logs"] / "hr")), hr_versions[1], hr_versions[0])
+    assert stats["requests"] >= 1 and stats["failed"] == 0, stats
+    text = httpx.get(f"{url}/metrics", headers=_auth(OPS), timeout=60).text
+    assert metric_value(text, "clarifier_shadow_total", model="hr") >= 1
+    assert metric_value(text, "clarifier_shadow_total", model="own") == 0
 
 
 @pytest.mark.timeout(600)

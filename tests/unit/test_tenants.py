@@ -24,6 +24,7 @@ tenants:
     model_uri: models:/clarifier-hr@champion
     keys_sha256: [{D_HR}]
     latency_budget_s: 1.5
+    shadow_model_uri: models:/clarifier-hr@challenger
 """
 
 
@@ -31,6 +32,7 @@ def test_a_tenants_file_parses_and_a_bad_one_names_the_entry():
     spec = parse_tenants(FILE)
     assert [t.name for t in spec.tenants] == ["support", "hr"] and spec.default == "support"
     assert spec.tenants[1].latency_budget_s == 1.5 and spec.tenants[0].mux_id == "support::/models/support"
+    assert spec.tenants[1].shadow_mux_id == "hr~shadow::models:/clarifier-hr@challenger"  # "~": in no tenant's name
     assert parse_tenants(json.dumps(spec.model_dump())) == spec  # JSON too
     bad = {
         "tenants: []": "tenants",
@@ -244,3 +246,71 @@ def test_the_cli_scopes_a_new_key_to_a_tenant_and_checks_the_file(tmp_path, fold
     path.write_text("tenants: [{name: a}]")
     out = runner.invoke(app, ["tenants", "check", str(path)])
     assert out.exit_code == 2 and "tenants.0.model_uri" in out.output
+
+
+class _Handle:
+    """A model deployment handle whose calls wait until released (requests stay outstanding)."""
+
+    def __init__(self, mux_id=None, calls=None, gate=None):
+        import asyncio
+
+        self.mux_id, self.calls = mux_id, calls if calls is not None else []
+        self.gate = gate or asyncio.Event()
+
+    def options(self, multiplexed_model_id):
+        return _Handle(multiplexed_model_id, self.calls, self.gate)
+
+    @property
+    def clarify(self):
+        return self
+
+    def remote(self, arg):
+        async def answer():
+            self.calls.append(self.mux_id)
+            await self.gate.wait()
+            return ("answer", self.mux_id)
+        return answer()
+
+
+def test_a_tenants_burst_is_shed_by_its_own_budget_and_rate_limit(tmp_path):
+    """Tenant a has used its admission (2 requests outstanding) and its rate limit; b is still admitted: a burst sheds
+    its own tenant's load first (with one budget for all, b's request would be refused too)."""
+    import asyncio
+
+    from clarifier.serving.ingress import ClarifierIngress
+    from clarifier.serving.tenants import read_tenants
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  - {name: a, model_uri: /m/a, rate_limit_per_s: 0.01, rate_burst: 3}\n"
+                    "  - {name: b, model_uri: /m/b}\n")
+    spec, text = read_tenants(str(path))
+
+    async def scenario():
+        handle = _Handle()
+        cls = ClarifierIngress.func_or_class  # Serve's ingress wrapper: its __init__ is awaited
+        ingress = cls.__new__(cls)
+        await cls.__init__(ingress, handle, ray_metrics=False, latency_budget_s=1.0, initial_limit=2,
+                           tenants={"file": str(path), "refresh_s": 0, "spec": spec.model_dump(), "text": text})
+        a, b = (ingress.tenants.by_name[n] for n in ("a", "b"))
+        held = [asyncio.create_task(ingress._admitted("clarify", "q", 1, a)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        over = await ingress._admitted("clarify", "q", 1, a)  # a's budget: 2 outstanding
+        b_call = asyncio.create_task(ingress._admitted("clarify", "q", 1, b))
+        await asyncio.sleep(0.05)
+        limited = await ingress._admitted("clarify", "q", 1, a)  # a's bucket (3) is empty now
+        handle.gate.set()
+        done = await asyncio.gather(*held, b_call)
+        return ingress, over, limited, done, handle.calls
+
+    ingress, over, limited, done, calls = asyncio.run(scenario())
+    assert over[0] is None and over[1].status_code == 503
+    assert json.loads(over[1].body)["detail"]["limit"] == "latency_budget_s" and "its tenant" in over[1].body.decode()
+    assert limited[0] is None and limited[1].status_code == 429 and limited[1].headers["Retry-After"] == "100"
+    assert [r[0] for r in done] == [("answer", "a::/m/a")] * 2 + [("answer", "b::/m/b")]
+    assert sorted(calls) == ["a::/m/a", "a::/m/a", "b::/m/b"]  # each tenant's requests went to its own model id
+    from support.metrics import metric_value
+
+    text = ingress.metrics.render()[0].decode()
+    assert metric_value(text, "clarifier_rejected_total", model="a", reason="latency_budget") == 1
+    assert metric_value(text, "clarifier_rejected_total", model="a", reason="rate_limit") == 1
+    assert metric_value(text, "clarifier_rejected_total", model="b") == 0

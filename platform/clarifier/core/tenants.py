@@ -10,6 +10,7 @@ A tenants file (YAML or JSON, a local path or ``s3://``) is data, not code; the 
         keys_sha256: [9f86d08...] # keys scoped to this tenant (SHA-256 digests: the file holds no secret)
         latency_budget_s: 2.0     # optional: this tenant's own admission budget
         rate_limit_per_s: 20      # optional: requests per second (a token bucket of rate_burst)
+        shadow_model_uri: models:/clarifier-support@challenger   # optional: scored beside it, logged, never returned
       - name: hr
         model_uri: s3://models/clarifier-hr
 
@@ -65,6 +66,12 @@ class TenantSpec(BaseModel):
                                                                       "beyond, 429 with Retry-After. null: none.")
     rate_burst: Optional[int] = Field(None, ge=1, description="Token bucket size (default: one second's worth, "
                                                               "at least 1).")
+    shadow_model_uri: Optional[str] = Field(None, description="This tenant's challenger (e.g. models:/clarifier-hr"
+                                            "@challenger): it also scores a share of the tenant's answered requests, "
+                                            "off the response path, into the tenant's request log (meta.shadow), for "
+                                            "`clarifier models promote --shadow-log <log>/<tenant>`.")
+    shadow_share: float = Field(1.0, ge=0, le=1, description="Share of the tenant's answered requests its shadow "
+                                                             "scores.")
 
     @field_validator("name")
     @classmethod
@@ -86,6 +93,11 @@ class TenantSpec(BaseModel):
     def mux_id(self) -> str:
         """Serve's multiplexed model id: the tenant and its URI (a re-pointed tenant is a new model to a replica)."""
         return f"{self.name}::{self.model_uri}"
+
+    @property
+    def shadow_mux_id(self) -> str:
+        """The challenger's multiplexed model id (``~`` is in no tenant name, so it is nobody's model)."""
+        return f"{self.name}~shadow::{self.shadow_model_uri}"
 
 
 class TenantsSpec(BaseModel):

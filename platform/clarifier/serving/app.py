@@ -165,8 +165,8 @@ def build_app(cfg: ServeConfig, tracking_uri: Optional[str] = None) -> serve.App
     tenants = None
     if cfg.tenants_file:
         if cfg.shadow_model_uri:
-            raise ConfigError("serve.shadow_model_uri is a single-model deployment's; with serve.tenants_file, shadow a "
-                              "tenant's challenger from a deployment of its own")
+            raise ConfigError("serve.shadow_model_uri is a single-model deployment's; with serve.tenants_file, give "
+                              "the tenant its challenger in the tenants file (shadow_model_uri, shadow_share)")
         tenants, model = _tenant_model(cfg, model_opts, engine_args)
     else:
         model = ClarifierModel.options(**model_opts).bind(cfg.model_uri, **engine_args)

@@ -344,9 +344,12 @@ class ClarifierIngress:
 
     def _handle(self, tenant: TenantSpec):
         """The model deployment's handle routing to replicas that hold ``tenant`` (Serve's model multiplexing)."""
-        handle = self._handles.get(tenant.mux_id)
+        return self._handle_for(tenant.mux_id)
+
+    def _handle_for(self, mux_id: str):
+        handle = self._handles.get(mux_id)
         if handle is None:
-            handle = self._handles[tenant.mux_id] = self.model.options(multiplexed_model_id=tenant.mux_id)
+            handle = self._handles[mux_id] = self.model.options(multiplexed_model_id=mux_id)
         return handle
 
     def _model_label(self, tenant: Optional[TenantSpec]) -> str:
@@ -400,36 +403,43 @@ class ClarifierIngress:
 
     def _answered(self, route: str, reqs: List[ClarifyRequest], resps: List[ClarifyResponse],
                   tenant: Optional[TenantSpec] = None) -> None:
-        """After an answer is ready: count it, log it, and with a shadow model, also have the shadow score it -- in a
-        task of its own (the response does not wait; the log record waits for the shadow's answer)."""
+        """After an answer is ready: count it, log it, and with a shadow model (the deployment's, or the tenant's
+        ``shadow_model_uri``), also have the shadow score it -- in a task of its own (the response does not wait; the
+        log record waits for the shadow's answer)."""
+        model = self._model_label(tenant)
         for r in resps:
-            self.metrics.observe_answer(r, model=self._model_label(tenant))
-        if tenant is not None:  # the shadow is a single-model deployment's (app.build_app refuses both)
+            self.metrics.observe_answer(r, model=model)
+        if tenant is None:
+            shadow, share = self.shadow, self.shadow_share
+        else:  # the tenant's challenger: another model of the same multiplexed deployment (one copy if it shares weights)
+            shadow = self._handle_for(tenant.shadow_mux_id) if tenant.shadow_model_uri else None
+            share = tenant.shadow_share
+        if shadow is None or self._rng.random() >= share:
             return self._log_answers(route, reqs, resps, tenant=tenant)
-        if self.shadow is None or self._rng.random() >= self.shadow_share:
-            return self._log_answers(route, reqs, resps)
         if len(self._shadow_tasks) >= self.shadow_max_inflight:
-            self.metrics.shadow.inc(len(reqs), outcome="skipped")
-            return self._log_answers(route, reqs, resps)
-        task = asyncio.get_running_loop().create_task(self._shadow_score(route, reqs, resps))
+            self.metrics.shadow.inc(len(reqs), model=model, outcome="skipped")
+            return self._log_answers(route, reqs, resps, tenant=tenant)
+        task = asyncio.get_running_loop().create_task(self._shadow_score(route, reqs, resps, shadow, tenant))
         self._shadow_tasks.add(task)
         task.add_done_callback(self._shadow_tasks.discard)
 
-    async def _shadow_score(self, route: str, reqs: List[ClarifyRequest], resps: List[ClarifyResponse]) -> None:
+    async def _shadow_score(self, route: str, reqs: List[ClarifyRequest], resps: List[ClarifyResponse], shadow: Any,
+                            tenant: Optional[TenantSpec] = None) -> None:
+        model = self._model_label(tenant)
         try:
-            out = await asyncio.wait_for(self.shadow.clarify_many.remote(list(reqs)), timeout=self.shadow_timeout_s)
+            out = await asyncio.wait_for(shadow.clarify_many.remote(list(reqs)), timeout=self.shadow_timeout_s)
             shadows = []
             for champ, sh in zip(resps, out):
-                self.metrics.shadow.inc(outcome="agree" if sh.needs_clarification == champ.needs_clarification
-                                        else "disagree")
-                self.metrics.shadow_diff.observe(abs(sh.confidence - champ.confidence))
+                self.metrics.shadow.inc(model=model, outcome="agree" if sh.needs_clarification ==
+                                        champ.needs_clarification else "disagree")
+                self.metrics.shadow_diff.observe(abs(sh.confidence - champ.confidence), model=model)
                 shadows.append(answer_fields(sh))
         except Exception as exc:  # the shadow never affects an answer; it is counted and logged as failed
-            self.metrics.shadow.inc(len(reqs), outcome="failed")
+            self.metrics.shadow.inc(len(reqs), model=model, outcome="failed")
             kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "failed"
             log.warning("shadow model call %s (%s)", kind, type(exc).__name__)
             shadows = [{"error": kind}] * len(reqs)
-        self._log_answers(route, reqs, resps, shadows)
+        self._log_answers(route, reqs, resps, shadows, tenant=tenant)
 
     # ---- helpers -----------------------------------------------------------------------------
 

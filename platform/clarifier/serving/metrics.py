@@ -23,8 +23,9 @@ empty where a request was refused before its model was known):
   became unreachable mid-request: retried on another replica, or answered 503 once retries ran out),
   ``clarifier_request_log_records_total{outcome=written|dropped_overflow|dropped_shutdown}``,
   ``clarifier_request_log_buffered`` (the request log, see ``request_log``),
-  ``clarifier_shadow_total{outcome=agree|disagree|failed|skipped}``, ``clarifier_shadow_confidence_abs_diff``
-  (the shadow model, ``serve.shadow_model_uri``).
+  ``clarifier_shadow_total{model,outcome=agree|disagree|failed|skipped}``,
+  ``clarifier_shadow_confidence_abs_diff{model}`` (the shadow model: ``serve.shadow_model_uri``, or a tenant's
+  ``shadow_model_uri``).
 Model replica (Ray metrics only):
   ``clarifier_batch_size`` (requests per engine call), ``clarifier_batch_latency_seconds``,
   ``clarifier_model_switches_total``, ``clarifier_model_load_seconds``, ``clarifier_model_info{version}``.
@@ -136,10 +137,11 @@ class IngressMetrics:
         self.request_log_buffered = _Dual("gauge", "clarifier_request_log_buffered",
                                           "Request-log records held in memory, not yet in the store.", **kw)
         self.shadow = _Dual("counter", "clarifier_shadow_total",
-                            "Requests the shadow model also scored, by outcome: agree / disagree (its decision vs the "
-                            "champion's), failed, skipped (shadow_max_inflight calls already waiting).", ("outcome",), **kw)
+                            "Requests the shadow model also scored, by model and outcome: agree / disagree (its "
+                            "decision vs the champion's), failed, skipped (shadow_max_inflight calls already waiting).",
+                            ("model", "outcome"), **kw)
         self.shadow_diff = _Dual("histogram", "clarifier_shadow_confidence_abs_diff",
-                                 "|shadow confidence - champion confidence| per shadowed request.",
+                                 "|shadow confidence - champion confidence| per shadowed request, by model.", ("model",),
                                  buckets=SHADOW_DIFF_BUCKETS, **kw)
 
     def observe_request(self, route: str, status: int, seconds: float, model: str = "") -> None:

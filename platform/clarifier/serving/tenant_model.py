@@ -14,13 +14,16 @@ A tenant's model is a Clarifier model folder; what a replica loads for it splits
 Requests reach a replica through Serve's model multiplexing: the ingress sends each with
 ``multiplexed_model_id = <tenant>::<model_uri>`` (:attr:`~clarifier.core.tenants.TenantSpec.mux_id`), so Serve routes it
 to a replica that already holds that tenant, and ``@serve.multiplexed`` loads tenants on demand and evicts them LRU
-(``serve.max_models_per_replica``). A dynamic batch may mix tenants: it is grouped by trunk, and each group is one
-forward pass with every request read by its own head (no pass per tenant).
+(``serve.max_models_per_replica``). A dynamic batch mixes tenants (Serve would split it by model id; see
+:func:`_across_tenants`): it is grouped by trunk, and each group is one forward pass with every request read by its
+own head (no pass per tenant).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
 import functools
 import logging
 import threading
@@ -53,6 +56,9 @@ class TrunkPool:
         self._on_load = on_load
         self._engines: "OrderedDict[str, Any]" = OrderedDict()
         self._lock = threading.Lock()
+        # One engine call at a time in a replica: the engines are not thread-safe (their decision pass hooks the
+        # shared model's modules) and the replica's CPUs are its torch threads' anyway.
+        self.compute = threading.Lock()
         self.loads = 0
         self.evictions = 0
 
@@ -118,8 +124,10 @@ class TenantModel:
 
     def __init__(self, tenant: str, uri: str, pool: TrunkPool, resolve: Callable[[str], Any], *,
                  probe: Optional[Callable[[], str]] = None, refresh_s: float = 0.0,
-                 on_switch: Optional[Callable[[str, str, float], None]] = None):
+                 on_switch: Optional[Callable[[str, str, float], None]] = None,
+                 on_close: Optional[Callable[[], None]] = None):
         self.tenant = tenant
+        self.on_close = on_close
         self.lifecycle = ModelLifecycle(served_loader(pool, tenant, resolve), uri, probe=probe, refresh_s=refresh_s,
                                         on_switch=on_switch)
         self.lifecycle.load_initial()
@@ -133,6 +141,10 @@ class TenantModel:
         lifecycle = getattr(self, "lifecycle", None)
         if lifecycle is not None:
             lifecycle.stop(timeout=1.0)
+        on_close = getattr(self, "on_close", None)
+        if on_close is not None:
+            self.on_close = None
+            on_close()
 
 
 def split_mux_id(mux_id: str) -> tuple[str, str]:
@@ -150,13 +162,26 @@ def clarify_grouped(pool: TrunkPool, items: list) -> List[ClarifyResponse]:
     for i, (served, _) in enumerate(items):
         groups.setdefault(served.key, []).append(i)
     out: list = [None] * len(items)
-    for key, rows in groups.items():
-        first = items[rows[0]][0]
-        engine = pool.get(key, first.folder, first.version)  # loaded again if evicted since
-        answers = engine.clarify([items[r][1] for r in rows], deciders=[items[r][0].decider for r in rows])
-        for r, a in zip(rows, answers):
-            out[r] = a
+    with pool.compute:
+        for key, rows in groups.items():
+            first = items[rows[0]][0]
+            engine = pool.get(key, first.folder, first.version)  # loaded again if evicted since
+            answers = engine.clarify([items[r][1] for r in rows], deciders=[items[r][0].decider for r in rows])
+            for r, a in zip(rows, answers):
+                out[r] = a
     return out
+
+
+def _across_tenants() -> None:
+    """In the current context: no multiplexed model id. Serve's ``@serve.batch`` splits a batch by that id into
+    sub-batches run concurrently (one forward pass per tenant); the batch function here reads each request's tenant
+    from the request itself, so the id is cleared where a request joins the batch queue and a batch mixes tenants.
+    (Serve's private request context: Ray is pinned; were it to change, the pool's compute lock keeps every call
+    correct, only no longer one pass per batch -- ``batch_stats`` shows which.)"""
+    from ray.serve import context as serve_context
+
+    current = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(dataclasses.replace(current, multiplexed_model_id=""))
 
 
 @serve.deployment(name="ClarifierModel")
@@ -181,6 +206,7 @@ class ClarifierTenantModel:
                               on_load=lambda _key, s: self.metrics.load_s.observe(s))
         self._resolve = functools.partial(resolve_model, cache_dir=cache_dir, tracking_uri=tracking_uri)
         self._held: dict[str, TenantModel] = {}  # what the multiplexer holds now, by mux id (for versions())
+        self._stats = {"batches": 0, "mixed": 0, "most_tenants": 0}
         async def open_tenant(mux_id: str) -> TenantModel:  # a function: Serve keeps its LRU on it (not on a method)
             return await self._open(mux_id)
 
@@ -205,7 +231,7 @@ class ClarifierTenantModel:
             log.info("tenant %s switched %s -> %s in %.1f s", tenant, old, new, load_s)
 
         return TenantModel(tenant, uri, self.pool, self._resolve, probe=probe, refresh_s=self.model_refresh_s,
-                           on_switch=switched)
+                           on_switch=switched, on_close=lambda: self._held.pop(mux_id, None))
 
     async def _open(self, mux_id: str) -> TenantModel:
         held = self._preloaded.pop(mux_id, None)
@@ -220,7 +246,21 @@ class ClarifierTenantModel:
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.05)
     async def _clarify_batch(self, items: list) -> List[Union[ClarifyResponse, _Failed]]:
+        tenants = len({served.tenant for served, _ in items})
+        self._stats["batches"] += 1
+        self._stats["mixed"] += tenants > 1
+        self._stats["most_tenants"] = max(self._stats["most_tenants"], tenants)
         return await answer_batch(functools.partial(clarify_grouped, self.pool), list(items), self.metrics)
+
+    async def _batched(self, item: tuple):
+        """``item`` through the dynamic batches, which mix tenants (see :func:`_across_tenants`)."""
+        ctx = contextvars.copy_context()
+        ctx.run(_across_tenants)
+        return await asyncio.get_running_loop().create_task(self._clarify_batch(item), context=ctx)
+
+    def batch_stats(self) -> dict:
+        """Batches answered by this replica, how many mixed tenants, the most tenants in one."""
+        return dict(self._stats)
 
     async def _served(self) -> Served:
         mux_id = serve.get_multiplexed_model_id()
@@ -229,14 +269,14 @@ class ClarifierTenantModel:
         return (await self.get_tenant(mux_id)).served
 
     async def clarify(self, request: ClarifyRequest) -> ClarifyResponse:
-        result = await self._clarify_batch((await self._served(), request))
+        result = await self._batched((await self._served(), request))
         if isinstance(result, _Failed):
             raise RuntimeError(result.message)
         return result
 
     async def clarify_many(self, requests: List[ClarifyRequest]) -> List[ClarifyResponse]:
         served = await self._served()
-        results = await asyncio.gather(*(self._clarify_batch((served, r)) for r in requests))
+        results = await asyncio.gather(*(self._batched((served, r)) for r in requests))
         failed = [i for i, r in enumerate(results) if isinstance(r, _Failed)]
         if failed:
             raise RuntimeError(f"clarify failed for batch items {failed}")
