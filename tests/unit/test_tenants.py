@@ -314,3 +314,41 @@ def test_a_tenants_burst_is_shed_by_its_own_budget_and_rate_limit(tmp_path):
     assert metric_value(text, "clarifier_rejected_total", model="a", reason="latency_budget") == 1
     assert metric_value(text, "clarifier_rejected_total", model="a", reason="rate_limit") == 1
     assert metric_value(text, "clarifier_rejected_total", model="b") == 0
+
+
+def test_tenants_take_turns_for_the_model_side():
+    """Slots go round-robin over the tenants that wait: another tenant's request waits for one freed slot, not behind
+    the burster's queue; a waiter that goes away leaves its place; a request larger than every slot still goes."""
+    import asyncio
+
+    from clarifier.serving.admission import FairShare
+
+    async def scenario():
+        fair, granted = FairShare(2), []
+
+        async def request(tenant, name, items=1):
+            await fair.acquire(tenant, items)
+            granted.append(name)
+
+        burst = [asyncio.create_task(request("a", f"a{i}")) for i in range(6)]
+        await asyncio.sleep(0)
+        other = asyncio.create_task(request("b", "b0"))
+        gone = asyncio.create_task(request("c", "c0"))
+        await asyncio.sleep(0)
+        assert granted == ["a0", "a1"] and fair.busy == 2 and fair.waiting == 6
+        gone.cancel()
+        await asyncio.sleep(0)
+        assert fair.waiting == 5
+        for _ in range(3):
+            fair.release()
+            await asyncio.sleep(0)
+        assert granted == ["a0", "a1", "a2", "b0", "a3"]  # b's request took the second freed slot
+        for _ in range(4):
+            fair.release()
+            await asyncio.sleep(0)
+        await asyncio.gather(*burst, other)
+        assert fair.busy == 0 and fair.waiting == 0
+        await asyncio.wait_for(request("a", "big", items=5), 1)  # more than every slot: goes when nothing is out
+        return granted
+
+    assert asyncio.run(scenario())[-1] == "big"

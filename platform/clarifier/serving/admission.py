@@ -135,3 +135,83 @@ class RateLimit:
                 self._tokens -= n
                 return 0
             return max(1, math.ceil((n - self._tokens) / self.rate))
+
+
+class FairShare:
+    """Round-robin dispatch of tenants' requests to the model side, at most ``slots`` items out at once (one ingress
+    replica; asyncio, one event loop).
+
+    Without it, every admitted request joins the model replicas' one FIFO queue, so a tenant that bursts puts its
+    whole admitted backlog ahead of everybody else's next request. With it, requests beyond ``slots`` wait here, one
+    queue per tenant, and each freed slot goes to the next tenant in turn that has one waiting: another tenant's
+    request waits for at most about one slot's worth of work, however many the burster has queued. ``slots`` is what
+    the model replicas take at once (their ``max_ongoing_requests`` each), so they are kept as busy as before.
+    """
+
+    def __init__(self, slots: int):
+        if slots < 1:
+            raise ValueError("FairShare needs slots >= 1")
+        self.slots = int(slots)
+        self.busy = 0
+        self._waiting: "dict[str, deque]" = {}  # tenant -> deque of (future, items), in arrival order
+        self._turns: "deque[str]" = deque()  # tenants with a waiter, next to be served first
+
+    @property
+    def waiting(self) -> int:
+        return sum(n for q in self._waiting.values() for _, n in q)
+
+    async def acquire(self, tenant: str, items: int = 1) -> None:
+        """Return once ``items`` may go to the model side (the caller then calls :meth:`release`)."""
+        import asyncio
+
+        if not self._turns and self.busy + items <= self.slots:
+            self.busy += items
+            return
+        fut = asyncio.get_running_loop().create_future()
+        queue = self._waiting.setdefault(tenant, deque())
+        queue.append((fut, items))
+        if tenant not in self._turns:
+            self._turns.append(tenant)
+        self._dispatch()  # a request larger than every slot goes when nothing else is out
+        try:
+            await fut
+        except BaseException:  # cancelled while waiting (the client went away): leave the queue, or give the slot back
+            if fut.done() and not fut.cancelled():
+                self.release(items)
+            else:
+                self._forget(tenant, fut)
+            raise
+
+    def release(self, items: int = 1) -> None:
+        self.busy = max(0, self.busy - items)
+        self._dispatch()
+
+    def _forget(self, tenant: str, fut) -> None:
+        queue = self._waiting.get(tenant)
+        if queue is not None:
+            for entry in list(queue):
+                if entry[0] is fut:
+                    queue.remove(entry)
+            if not queue:
+                self._waiting.pop(tenant, None)
+                if tenant in self._turns:
+                    self._turns.remove(tenant)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._turns:
+            tenant = self._turns[0]
+            queue = self._waiting[tenant]
+            fut, items = queue[0]
+            if self.busy + items > self.slots and self.busy > 0:
+                return
+            queue.popleft()
+            self._turns.popleft()
+            if queue:
+                self._turns.append(tenant)  # its next request waits for the others' turns
+            else:
+                self._waiting.pop(tenant)
+            if fut.cancelled():
+                continue
+            self.busy += items
+            fut.set_result(None)

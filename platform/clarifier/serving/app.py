@@ -195,6 +195,8 @@ def build_app(cfg: ServeConfig, tracking_uri: Optional[str] = None) -> serve.App
         max_batch_requests=cfg.max_batch_requests, max_queued_requests=model_opts["max_queued_requests"],
         latency_budget_s=budget, initial_limit=2 * model_opts["max_ongoing_requests"] * first_replicas,
         tenants=tenants,
+        fair_slots=model_opts["max_ongoing_requests"] * (cfg.autoscaling.max_replicas if cfg.autoscaling.enabled
+                                                         else cfg.num_replicas),
     )
 
 

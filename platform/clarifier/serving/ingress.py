@@ -30,7 +30,7 @@ from clarifier.runtime.retry import RetryPolicy
 from clarifier.serving.auth import ENV_VAR as API_KEYS_ENV
 from clarifier.serving.auth import HEADER as API_KEY_HEADER
 from clarifier.serving.auth import ApiKeyAuth, presented_key
-from clarifier.serving.admission import LatencyBudget, RateLimit
+from clarifier.serving.admission import FairShare, LatencyBudget, RateLimit
 from clarifier.serving.metrics import IngressMetrics
 from clarifier.core.request_record import answer_fields, request_record
 from clarifier.core.tenants import Caller, TenantDirectory, TenantError, TenantSpec, key_digest
@@ -229,7 +229,8 @@ class ClarifierIngress:
                  max_batch_requests: int = 32, max_queued_requests: int = -1, ray_metrics: bool = True,
                  latency_budget_s: Optional[float] = None, initial_limit: int = 8,
                  request_log: Optional[dict] = None, shadow: Any = None, shadow_share: float = 1.0,
-                 shadow_max_inflight: int = 16, shadow_timeout_s: float = 30.0, tenants: Optional[dict] = None):
+                 shadow_max_inflight: int = 16, shadow_timeout_s: float = 30.0, tenants: Optional[dict] = None,
+                 fair_slots: Optional[int] = None):
         self.model = model  # DeploymentHandle to ClarifierModel (ClarifierTenantModel with tenants)
         self.model_id = model_id  # what OpenAI-compatible clients see as the model
         self.started = int(time.time())
@@ -251,6 +252,8 @@ class ClarifierIngress:
         self._tenant_logs: dict = {}  # tenant -> RequestLog under <request_log.uri>/<tenant>
         self._handles: dict = {}  # mux id -> DeploymentHandle with multiplexed_model_id
         self._tenants_watch = None
+        # Tenants' requests go to the model side in turn, fair_slots at once (what the model replicas take at once).
+        self.fair = FairShare(fair_slots) if tenants and fair_slots else None
         if tenants:
             from clarifier.core.tenants import TenantsSpec
             from clarifier.serving.tenants import TenantsWatch
@@ -510,14 +513,14 @@ class ClarifierIngress:
                 if wait:
                     return None, self._rate_limited(tenant, wait)
         if admission is None:
-            return await self._call_model(method, arg, tenant), None
+            return await self._dispatched(method, arg, items, tenant), None
         d = admission.try_admit(items)
         if tenant is None:
             self.metrics.admission_limit.set(d.limit)
         if not d.admitted:
             return None, self._over_budget(d, admission, self._model_label(tenant))
         try:
-            return await self._call_model(method, arg, tenant), None
+            return await self._dispatched(method, arg, items, tenant), None
         finally:
             admission.done(items)
             rate = admission.throughput()
@@ -530,6 +533,16 @@ class ClarifierIngress:
         return JSONResponse(status_code=500, content={"detail": {
             "error": "internal error", "error_id": error_id,
             "message": "the model failed on this request; see the server log for the error id"}})
+
+    async def _dispatched(self, method: str, arg: Any, items: int, tenant: Optional[TenantSpec]):
+        """``_call_model``, in a multi-tenant deployment after waiting for the tenant's turn (:class:`FairShare`)."""
+        if tenant is None or self.fair is None:
+            return await self._call_model(method, arg, tenant)
+        await self.fair.acquire(tenant.name, items)
+        try:
+            return await self._call_model(method, arg, tenant)
+        finally:
+            self.fair.release(items)
 
     async def _answer(self, method: str, arg, n: int, tenant: Optional[TenantSpec] = None):
         """``(answers, None)``, or ``(None, response)`` when the request is refused (latency budget, a tenant's rate
