@@ -56,16 +56,17 @@ def test_page_is_the_package_data_file_and_self_contained():
 def test_page_sends_what_the_api_takes():
     from clarifier.core.schema import ClarifyRequest, Role
     from clarifier.serving.auth import HEADER
-    from clarifier.serving.ingress import playground_html
+    from clarifier.serving.ingress import MODEL_HEADER, playground_html
 
     html = playground_html()
     assert f'const API_KEY_HEADER = "{HEADER}";' in html
+    assert f'const MODEL_HEADER = "{MODEL_HEADER}";' in html  # a tenant's model, when typed in
     roles = re.search(r"const ROLES = \[([^\]]*)\];", html).group(1)
     assert [r.strip().strip('"') for r in roles.split(",")] == list(typing.get_args(Role))
     # the request body the page builds has exactly the request's fields (but conversation_id: a try in the
-    # playground is not part of a logged conversation)
+    # playground is not part of a logged conversation; and model: the page sends it as a header)
     built = re.search(r"return \{history: history, query: [^,]+, passages: passages\};", html)
-    assert built and set(ClarifyRequest.model_fields) - {"conversation_id"} == {"history", "query", "passages"}
+    assert built and set(ClarifyRequest.model_fields) - {"conversation_id", "model"} == {"history", "query", "passages"}
     # relative to the page's own path, so that it works under a route prefix
     assert 'apiBase() + "/v1/clarify"' in html and 'fetch("/' not in html
 

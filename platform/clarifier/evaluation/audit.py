@@ -494,7 +494,8 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
     if counts["n_lines"] != counts["n_lines_with_turns"] + counts["n_quarantined"]:
         raise AuditError(f"count mismatch: {counts['n_lines']} rows read but {counts['n_lines_with_turns']} gave turns "
                          f"and {counts['n_quarantined']} were quarantined")
-    progress(f"[audit] read {counts['n_lines']} conversations: {counts['n_turns']} user turns, "
+    progress(f"[audit] read {counts['n_lines']} {'request-log records' if request_log else 'conversations'}: "
+             f"{counts['n_turns']} user turns, "
              f"{counts['n_quarantined']} quarantined" + (f" (-> {storage.join(a.output, QUARANTINE_DIR)})"
                                                          if counts["n_quarantined"] else ""))
     quarantine_reasons: dict[str, int] = {}
@@ -584,7 +585,8 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
         "seconds_read_and_score": round(t_scored, 1), "reused_scores": a.reuse_scores, "logs": a.logs, "output": a.output,
         "model_uri": model_uri, "model_version": resolved.version, "base_model": meta.base_model,
         "threshold": meta.threshold, "estimation_threshold": est_threshold, "precision": precision, "actors": a.actors,
-        "counts": {"files": len(files), "records": counts["n_lines"], "blank_lines": counts["n_blank"],
+        "counts": {"files": len(files), "records": counts["n_lines"], "request_log": bool(request_log),
+                   "blank_lines": counts["n_blank"],
                    "quarantined": counts["n_quarantined"], "quarantine_reasons": quarantine_reasons,
                    "turns": counts["n_turns"], "failed_turns": head["failed"]["n"]},
         "signals_present": signals_seen,

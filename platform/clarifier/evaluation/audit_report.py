@@ -15,6 +15,11 @@ PLOTS = {"histogram": "audit-score-histogram.png", "segments": "audit-by-segment
          "position": "audit-by-position.png", "signal": "audit-by-signal.png"}
 
 
+
+def _records(counts: dict) -> str:
+    """What a read record is: a conversation, or one request of a serving request log (its history repeated)."""
+    return "request-log records" if counts.get("request_log") else "conversations"
+
 def pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -36,7 +41,7 @@ def format_summary(s: dict) -> str:
     lines = [
         "",
         "== Audit: is a clarifier worth it for these logs?",
-        f"  {c['turns']} user turns in {c['records']} conversations ({c['quarantined']} quarantined), "
+        f"  {c['turns']} user turns in {c['records']} {_records(c)} ({c['quarantined']} quarantined), "
         f"{c['failed_turns']} with a failure signal; model {s['model_uri']} at threshold {s['threshold']:.3f}"
         + _estimated_at(s),
         f"  flagged as needing clarification: {pct(t.get('raw'))} of all turns (raw, {interval(t.get('raw_ci'))})"
@@ -163,7 +168,7 @@ def _markdown(s: dict, plots: dict[str, Path]) -> str:
     c, v = s["counts"], s["verdict"]
     rates = s.get("error_rates")
     lines = [f"# Clarification audit of {s['logs']}", "", f"**Verdict: {v['decision'].replace('_', ' ')}.** {v['sentence']}", "",
-             f"- {c['turns']} user turns in {c['records']} conversations from {c['files']} file(s); "
+             f"- {c['turns']} user turns in {c['records']} {_records(c)} from {c['files']} file(s); "
              f"{c['quarantined']} records quarantined (`quarantine/`), {c['failed_turns']} turns with a failure signal",
              f"- model `{s['model_uri']}` (version {s['model_version'] or '-'}, base {s['base_model']}), threshold "
              f"{s['threshold']:.3f}{_estimated_at(s)}, {s['precision']}",
@@ -231,7 +236,7 @@ def _html(s: dict, plots: dict[str, Path]) -> str:
     parts = [f"<h1>Clarification audit</h1><p class='sub'>{html.escape(s['logs'])} &middot; model "
              f"{html.escape(s['model_uri'])} &middot; {html.escape(s['started'])}</p>",
              f"<div class='verdict {cls}'><b>{html.escape(v['decision'].replace('_', ' '))}</b>: {html.escape(v['sentence'])}</div>",
-             f"<p>{c['turns']} user turns in {c['records']} conversations; {c['quarantined']} records quarantined; "
+             f"<p>{c['turns']} user turns in {c['records']} {_records(c)}; {c['quarantined']} records quarantined; "
              f"{c['failed_turns']} turns with a failure signal.</p>"]
     parts += [f"<p class='note'>note: {html.escape(n)}</p>" for n in s.get("notes", [])]
     parts.append(table(*_rows_table([{"value": "all turns", "turns": s["flagged_share"],
