@@ -352,3 +352,31 @@ def test_tenants_take_turns_for_the_model_side():
         return granted
 
     assert asyncio.run(scenario())[-1] == "big"
+
+
+def test_a_trunk_loading_does_not_hold_up_the_trunks_already_held():
+    import threading
+    from pathlib import Path
+
+    from clarifier.serving.tenant_model import TrunkPool
+
+    release, started, calls = threading.Event(), threading.Event(), []
+
+    def load(folder, version):
+        calls.append(folder.name)
+        if folder.name == "slow":
+            started.set()
+            assert release.wait(10)
+        return f"engine-{folder.name}"
+
+    pool = TrunkPool(load, max_trunks=3)
+    assert pool.get("a", Path("a"), "v") == "engine-a"
+    waiters = [threading.Thread(target=pool.get, args=("s", Path("slow"), "v")) for _ in range(2)]
+    for t in waiters:
+        t.start()
+    assert started.wait(10)
+    assert pool.get("a", Path("a"), "v") == "engine-a"  # answered while "slow" loads
+    release.set()
+    for t in waiters:
+        t.join(10)
+    assert calls == ["a", "slow"] and pool.loads == 2  # the second waiter found it loaded

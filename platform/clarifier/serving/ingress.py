@@ -340,7 +340,7 @@ class ClarifierIngress:
         try:
             tenant = self.tenants.resolve(caller, named)
         except TenantError as exc:
-            self.metrics.rejected.inc(model="", reason="tenant")
+            self.metrics.rejected.inc(model=caller.tenant or "", reason="tenant")
             raise HTTPException(exc.status, detail={"error": exc.code, "message": exc.message}) from None
         request.state.model = tenant.name
         return tenant
@@ -400,7 +400,7 @@ class ClarifierIngress:
             omit = tuple(request_log.cfg.omit)
             for k, (req, resp) in enumerate(zip(reqs, resps)):
                 request_log.append(request_record(req, resp, route=route, request_id=uuid.uuid4().hex,
-                                                       at=at, omit=omit, shadow=shadows[k] if shadows else None))
+                                                  at=at, omit=omit, shadow=shadows[k] if shadows else None))
         except Exception:
             log.exception("request log: a record could not be made")
 

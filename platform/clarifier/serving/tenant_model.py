@@ -56,6 +56,7 @@ class TrunkPool:
         self._on_load = on_load
         self._engines: "OrderedDict[str, Any]" = OrderedDict()
         self._lock = threading.Lock()
+        self._loading: dict[str, threading.Lock] = {}  # key -> held while that key loads
         # One engine call at a time in a replica: the engines are not thread-safe (their decision pass hooks the
         # shared model's modules) and the replica's CPUs are its torch threads' anyway.
         self.compute = threading.Lock()
@@ -67,21 +68,31 @@ class TrunkPool:
             return list(self._engines)
 
     def get(self, key: str, folder: Path, version: str) -> Any:
-        """The engine of ``key`` (loaded from ``folder`` when not held); it becomes the most recently used."""
+        """The engine of ``key`` (loaded from ``folder`` when not held); it becomes the most recently used. A load
+        holds only its own key's lock: batches of the trunks already held go on meanwhile."""
         with self._lock:
             engine = self._engines.get(key)
             if engine is not None:
                 self._engines.move_to_end(key)
                 return engine
+            loading = self._loading.setdefault(key, threading.Lock())
+        with loading:
+            with self._lock:  # loaded by another thread while this one waited
+                engine = self._engines.get(key)
+                if engine is not None:
+                    self._engines.move_to_end(key)
+                    return engine
             t0 = time.perf_counter()
             engine = self._load(folder, version)
-            self.loads += 1
-            self._engines[key] = engine
-            while len(self._engines) > self.max_trunks:
-                old, _ = self._engines.popitem(last=False)
-                self.evictions += 1
-                log.info("trunk %s evicted (max_adapters_per_replica=%d)", old, self.max_trunks)
             seconds = time.perf_counter() - t0
+            with self._lock:
+                self.loads += 1
+                self._engines[key] = engine
+                self._loading.pop(key, None)
+                while len(self._engines) > self.max_trunks:
+                    old, _ = self._engines.popitem(last=False)
+                    self.evictions += 1
+                    log.info("trunk %s evicted (max_adapters_per_replica=%d)", old, self.max_trunks)
         log.info("trunk %s loaded from %s in %.1f s", key, folder, seconds)
         if self._on_load is not None:
             self._on_load(key, seconds)
