@@ -21,12 +21,17 @@ One Ray instance; each application has one model replica of ``--cpus`` CPUs:
   same process): the share the other n - 1 tenants added, and per tenant;
 * ``adapters``: ``--adapters`` (default 5) adapter tenants with ``serve.max_adapters_per_replica=2``: latency of a
   request whose adapter is held (hit) and of one whose adapter must be loaded, evicting another (miss = the swap);
+* ``swap``: five head tenants, one followed through a registry alias (a local MLflow server) with
+  ``serve.model_refresh_s=--swap-refresh-s``; all five called one request at a time each while the alias moves:
+  seconds from the move to the first answer of the new version, requests failed (any tenant), the others' latency
+  before and after;
 * ``burst``: 10 head tenants, one of them sent ``--burst-concurrency`` requests at once for ``--burst-s`` seconds (each
   of its workers waits what a refusal's Retry-After says, as ClarifierClient does) while the others are called at
   concurrency 2; each tenant has ``latency_budget_s=--budget``, batches of ``--burst-batch-size``. Recorded: the
   others' p50/p99 against the budget, and how much of the burster's load was shed (503s).
 
-Results go to ``benchmarks/results/serving-tenants_<tag>-<date>.json`` (never overwritten).
+``--sections`` runs some of them (default all). Results go to
+``benchmarks/results/serving-tenants[-<sections>]_<tag>-<date>.json`` (never overwritten).
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
 from common import cpu_info, result_file, write_result  # noqa: E402
 from bench_serving import _percentile, build_workload, tiny_model  # noqa: E402
+
+
+SECTIONS = ("heads", "adapters", "burst", "swap")
 
 
 def _lat(xs: list[float]) -> dict:
@@ -192,10 +200,16 @@ def main(argv: list[str]) -> None:
                     help="max_batch_size (= max_ongoing_requests) of the burst deployment: on a 2-core CPU a batch of "
                          "8 fast-path requests takes longer than the budget by itself")
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--swap-refresh-s", type=float, default=2.0, help="serve.model_refresh_s of the swap deployment")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"which to run (default all: {','.join(SECTIONS)})")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    sections = [x for x in a.sections.split(",") if x]
+    if set(sections) - set(SECTIONS):
+        raise SystemExit(f"--sections: unknown {sorted(set(sections) - set(SECTIONS))}; known {','.join(SECTIONS)}")
     tag = "tiny-cpu" if a.tiny else "model-cpu"
-    out_path = result_file(f"serving-tenants_{tag}-{time.strftime('%Y-%m-%d')}", a.out)
+    part = "" if set(sections) == set(SECTIONS) else "-" + "-".join(sections)
+    out_path = result_file(f"serving-tenants{part}_{tag}-{time.strftime('%Y-%m-%d')}", a.out)
     counts = [int(x) for x in a.tenants.split(",") if x]
 
     import logging
@@ -233,13 +247,13 @@ def main(argv: list[str]) -> None:
                     "model": str(a.model if not a.tiny else "tiny"), "cpus_per_replica": a.cpus,
                     "requests": a.requests, "args": vars(a), "deployments": {}}
 
-    def deploy(app: str = "tenants", **cfg) -> str:
+    def deploy(app: str = "tenants", tracking_uri: str | None = None, **cfg) -> str:
         """Deploy (or replace) application ``app`` at ``/<app>`` and wait until it answers; its base URL."""
         if app in serve.status().applications:
             serve.delete(app)
         c = ServeConfig(**{**base, **cfg, "route_prefix": f"/{app}"})
         serve.start(http_options={"host": c.host, "port": c.port})
-        serve.run(build_app(c), name=app, route_prefix=f"/{app}")
+        serve.run(build_app(c, tracking_uri), name=app, route_prefix=f"/{app}")
         wait_ready(base_url(c), timeout_s=600)
         return base_url(c)
 
@@ -259,7 +273,26 @@ def main(argv: list[str]) -> None:
     def one(url: str, body: dict) -> float:
         return ok_latencies(send(url, [body]))[0]
 
-    # ---- one model beside n head tenants: paired requests, same bodies ---------------------------------------
+    if "heads" in sections:
+        heads_section(a, counts, heads, workload, deploy, tenants_file, one, send, result)
+    if "adapters" in sections:
+        adapters_section(a, adapters, workload, deploy, tenants_file, result)
+    if "burst" in sections:
+        burst_section(a, heads, workload, deploy, tenants_file, timed, result)
+    if "swap" in sections:
+        swap_section(a, heads, work, deploy, tenants_file, result)
+    serve.shutdown()
+    ray.shutdown()
+    result["ratios"] = ratios(result["deployments"], a, counts)
+    print(json.dumps(result["ratios"], indent=2))
+    print(f"[bench_tenants] wrote {write_result(out_path.stem, result, out_path)}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def heads_section(a, counts, heads, workload, deploy, tenants_file, one, send, result) -> None:
+    """The single model beside n head tenants: paired requests, same bodies; memory in the same replica."""
+    from ray import serve
+
     single_url = deploy("single", model_uri=str(heads[0]))
     send(single_url, workload[:8])
     result["deployments"]["single"] = {"rss_mib": round(replica_rss_mib("single"), 1)}
@@ -297,7 +330,9 @@ def main(argv: list[str]) -> None:
               f"({ratio:.3f}x [{lo:.3f}, {hi:.3f}]), replica {rss_first:.0f} -> {rss_all:.0f} MiB", flush=True)
     serve.delete("single")
 
-    # ---- adapter tenants: hits and misses (a swap) -------------------------------------------------------
+
+def adapters_section(a, adapters, workload, deploy, tenants_file, result) -> None:
+    """Adapter tenants: hits and misses (a swap)."""
     names = [f"a{i}" for i in range(len(adapters))]
     f = tenants_file("adapters", [{"name": nm, "model_uri": str(adapters[i])} for i, nm in enumerate(names)])
     url = deploy(tenants_file=f, max_adapters_per_replica=2)
@@ -315,11 +350,14 @@ def main(argv: list[str]) -> None:
         r = send(url, [{**workload[(i + 1) % len(workload)], "model": nm}])  # held now
         hits.append(ok_latencies(r)[0])
     result["deployments"]["adapters"] = {"tenants": len(adapters), "max_adapters_per_replica": 2,
-                                         "hit": _lat(hits), "miss": _lat(misses), "rss_mib": round(replica_rss_mib("tenants"), 1)}
+                                         "hit": _lat(hits), "miss": _lat(misses),
+                                         "rss_mib": round(replica_rss_mib("tenants"), 1)}
     print(f"[bench_tenants] adapters: hit p50 {_lat(hits)['p50']} ms, miss (swap) p50 {_lat(misses)['p50']} ms",
           flush=True)
 
-    # ---- a bursting tenant ---------------------------------------------------------------------------------
+
+def burst_section(a, heads, workload, deploy, tenants_file, timed, result) -> None:
+    """A bursting tenant against the others' budget."""
     names = [f"t{i:02d}" for i in range(10)]
     f = tenants_file("burst", [{"name": nm, "model_uri": str(heads[i]), "latency_budget_s": a.budget}
                                for i, nm in enumerate(names)])
@@ -358,20 +396,96 @@ def main(argv: list[str]) -> None:
     }
     print(f"[bench_tenants] burst: others p99 {_lat(other_lat)['p99']} ms (budget {a.budget * 1000:.0f}), burster "
           f"codes {codes}", flush=True)
-    serve.shutdown()
-    ray.shutdown()
 
-    d = result["deployments"]
+
+def swap_section(a, heads, work, deploy, tenants_file, result) -> None:
+    """One tenant's registry alias moved while five tenants are called: how long until it answers with the new
+    version, and whether any request of any tenant failed meanwhile."""
+    import threading
+
+    import httpx
+    import mlflow
+
+    from clarifier.registry.registry import register_adapter, set_alias
+    from clarifier.runtime.services import start_mlflow_server
+
+    server = start_mlflow_server(work / "mlflow")
+    try:
+        mlflow.set_tracking_uri(server.url)
+        mlflow.set_experiment("bench-tenants-swap")
+        name, versions = "bench-tenant-swap", []
+        for i in (0, 1):
+            with mlflow.start_run(run_name=f"v{i}") as run:
+                mlflow.log_artifacts(str(heads[i]), "adapter")
+            mv = register_adapter(run.info.run_id, name, alias="champion" if i == 0 else None, tracking_uri=server.url)
+            versions.append(f"{name}/{mv.version}")
+        names = ["swap", "t1", "t2", "t3", "t4"]
+        specs = [{"name": "swap", "model_uri": f"models:/{name}@champion"}] + [
+            {"name": nm, "model_uri": str(heads[i + 1])} for i, nm in enumerate(names[1:])]
+        url = deploy(tenants_file=tenants_file("swap", specs), model_refresh_s=a.swap_refresh_s,
+                     tracking_uri=server.url)
+        events: list = []  # (sent, answered, tenant, status, version)
+        stop = threading.Event()
+        body = {"history": [], "query": "how do I reset it?"}
+
+        def client(tenant: str) -> None:
+            with httpx.Client(timeout=120) as http:
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    r = http.post(f"{url}/v1/clarify", json={**body, "model": tenant})
+                    version = r.json().get("model_version") if r.status_code == 200 else None
+                    events.append((t0, time.perf_counter(), tenant, r.status_code, version))
+
+        threads = [threading.Thread(target=client, args=(nm,), daemon=True) for nm in names]
+        for t in threads:
+            t.start()
+        time.sleep(10)
+        moved = time.perf_counter()
+        set_alias(name, "champion", versions[1].split("/")[1], tracking_uri=server.url)
+        deadline = moved + 120
+        while time.perf_counter() < deadline and not any(e[4] == versions[1] for e in list(events)):
+            time.sleep(0.1)
+        time.sleep(10)
+        stop.set()
+        for t in threads:
+            t.join(120)
+    finally:
+        server.stop()
+    mine = [e for e in events if e[2] == "swap"]
+    first_new = min((e[1] for e in mine if e[4] == versions[1]), default=None)
+    old_after = [e for e in mine if e[4] == versions[0] and e[0] > (first_new or float("inf"))]
+    swap_lat = [e[1] - e[0] for e in mine if e[3] == 200]
+    others = [e for e in events if e[2] != "swap"]
+    result["deployments"]["swap"] = {
+        "tenants": len(names), "model_refresh_s": a.swap_refresh_s, "versions": versions,
+        "requests": len(events), "failed": sum(1 for e in events if e[3] != 200),
+        "failed_by_tenant": {nm: sum(1 for e in events if e[2] == nm and e[3] != 200) for nm in names},
+        "seconds_to_new_version": round(first_new - moved, 3) if first_new else None,
+        "old_version_after_switch": len(old_after),
+        "swap_tenant_latency": _lat(swap_lat),
+        "others_latency_before": _lat([e[1] - e[0] for e in others if e[1] < moved and e[3] == 200]),
+        "others_latency_after": _lat([e[1] - e[0] for e in others if e[0] >= moved and e[3] == 200]),
+        "others_versions_changed": sorted({e[4] for e in others if e[3] == 200}) != sorted(
+            {e[4] for e in others if e[3] == 200 and e[1] < moved}),
+    }
+    row = result["deployments"]["swap"]
+    print(f"[bench_tenants] swap: new version answered {row['seconds_to_new_version']} s after the alias moved "
+          f"(refresh {a.swap_refresh_s} s), {row['failed']} of {row['requests']} requests failed", flush=True)
+
+
+def ratios(d: dict, a, counts: list[int]) -> dict:
     r: dict = {}
-    for n in counts:
-        r[f"p50_heads_{n}_over_single"] = d[f"heads_{n}"]["p50_over_single"]
-        r[f"rss_added_share_heads_{n}"] = d[f"heads_{n}"]["rss_added_share"]
-    r["adapter_miss_over_hit_p50"] = round(d["adapters"]["miss"]["p50"] / d["adapters"]["hit"]["p50"], 2)
-    r["others_p99_during_burst_over_budget"] = round(d["burst"]["others_during_burst"]["p99"] / (a.budget * 1000), 3)
-    result["ratios"] = r
-    print(json.dumps(r, indent=2))
-    print(f"[bench_tenants] wrote {write_result(out_path.stem, result, out_path)}")
-    shutil.rmtree(work, ignore_errors=True)
+    if "heads_1" in d:
+        for n in counts:
+            r[f"p50_heads_{n}_over_single"] = d[f"heads_{n}"]["p50_over_single"]
+            r[f"rss_added_share_heads_{n}"] = d[f"heads_{n}"]["rss_added_share"]
+    if "adapters" in d:
+        r["adapter_miss_over_hit_p50"] = round(d["adapters"]["miss"]["p50"] / d["adapters"]["hit"]["p50"], 2)
+    if "burst" in d:
+        r["others_p99_during_burst_over_budget"] = round(d["burst"]["others_during_burst"]["p99"] / (a.budget * 1000), 3)
+    if "swap" in d and d["swap"]["seconds_to_new_version"] is not None:
+        r["swap_seconds_over_refresh"] = round(d["swap"]["seconds_to_new_version"] / a.swap_refresh_s, 3)
+    return r
 
 
 if __name__ == "__main__":
