@@ -978,7 +978,7 @@ def tenants_key(tenant: str = typer.Argument(..., help="The tenant the new key i
     storage.write_text(file, text)
     err_console.print(f"added a key for tenant {tenant!r} to {file} (its digest only; comments in the file are not "
                       "kept). The key, shown this once:")
-    print(key)
+    console.print(key, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -314,10 +314,20 @@ def run_local(cfg: ServeConfig, tracking_uri: Optional[str] = None, blocking: bo
     info = wait_ready(url, timeout_s=ready_timeout_s)
     log.info("Clarifier serving %s at %s (docs: %s/docs)", info.get("model_version"), url, url)
     if blocking:
-        auth = "on" if load_api_keys(cfg.api_keys_file) else f"OFF (no ${API_KEYS_ENV} / serve.api_keys_file)"
+        operator = len(load_api_keys(cfg.api_keys_file))
+        what, scoped = f"model {info.get('model_version')}", 0
+        if cfg.tenants_file:
+            from clarifier.serving.tenants import read_tenants
+
+            spec, _ = read_tenants(cfg.tenants_file)
+            scoped = sum(len(t.keys_sha256) for t in spec.tenants)
+            what = (f"{len(spec.tenants)} tenant(s) from {cfg.tenants_file} ({', '.join(t.name for t in spec.tenants)}"
+                    + (f"; default {spec.default}" if spec.default else "") + ")")
+        auth = (f"on ({operator} operator, {scoped} tenant-scoped)" if cfg.tenants_file else "on") \
+            if operator or scoped else f"OFF (no ${API_KEYS_ENV} / serve.api_keys_file)"
         extra = (f", request log {cfg.request_log.uri}" if cfg.request_log.uri else "") + \
             (f", shadow {cfg.shadow_model_uri}" if cfg.shadow_model_uri else "")
-        say(f"Clarifier serving model {info.get('model_version')} at {url} (playground {url}/playground, docs "
+        say(f"Clarifier serving {what} at {url} (playground {url}/playground, docs "
             f"{url}/docs, OpenAI-compatible base_url {url}/v1, API keys {auth}{extra}); Ctrl-C to stop")
         try:
             while True:
