@@ -380,3 +380,29 @@ def test_a_trunk_loading_does_not_hold_up_the_trunks_already_held():
     for t in waiters:
         t.join(10)
     assert calls == ["a", "slow"] and pool.loads == 2  # the second waiter found it loaded
+
+
+def test_a_removed_tenants_keys_stop_working_and_operator_keys_reach_everyone(tmp_path):
+    import asyncio
+
+    from clarifier.core.tenants import TenantDirectory
+    from clarifier.serving.auth import key_digests
+    from clarifier.serving.ingress import ClarifierIngress
+
+    spec = parse_tenants(FILE)
+
+    async def make():
+        cls = ClarifierIngress.func_or_class
+        ingress = cls.__new__(cls)
+        await cls.__init__(ingress, _Handle(), ray_metrics=False, api_key_digests=key_digests(["ops"]),
+                           tenants={"file": str(tmp_path / "t.yaml"), "refresh_s": 0, "spec": spec.model_dump()})
+        return ingress
+
+    ingress = asyncio.run(make())
+    assert ingress.caller("support-key") == Caller("support") and ingress.caller("ops") == Caller()
+    assert ingress.caller("nope") is None and ingress.caller(None) is None
+    ingress._reloaded(TenantDirectory(parse_tenants(FILE.split("  - name: hr")[0])), None)  # hr removed
+    assert ingress.caller("hr-key") is None  # 401: its digest went with it
+    assert ingress.caller("support-key") == Caller("support")
+    ingress._reloaded(None, "tenants.yaml: broken")  # a refused file keeps the tenants
+    assert ingress.tenants.names == ["support"]
