@@ -142,3 +142,4 @@ def test_label_select_on_the_request_log_queues_each_turn_once_with_its_prelabel
                                    "audit.bootstrap=200", "audit.sample_questions=4", "audit.batch_size=4"])
     assert res.exit_code == 0, res.output
     assert "a serving request log" in res.output and "24 user turns, 1 quarantined" in res.output
+    assert "24 user turns in 25 request-log records of 8 conversations" in res.output  # 24 requests + 1 quarantined

@@ -545,6 +545,9 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
         progress(f"[audit] scored turns -> {turns_uri} ({t_scored:.0f}s)")
 
     written = ray.data.read_parquet(tpath, filesystem=tfs)
+    # A request log's records are requests (each with its conversation so far): count the conversations themselves.
+    conversations = (written.select_columns(["conversation_id"]).groupby("conversation_id").count().count()
+                     if request_log else counts["n_lines_with_turns"])
     notes: list[str] = []
     if a.reuse_scores:
         notes.append(f"the scores were reused from an earlier run of this audit ({storage.join(a.output, SCORES)}); "
@@ -586,6 +589,7 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
         "model_uri": model_uri, "model_version": resolved.version, "base_model": meta.base_model,
         "threshold": meta.threshold, "estimation_threshold": est_threshold, "precision": precision, "actors": a.actors,
         "counts": {"files": len(files), "records": counts["n_lines"], "request_log": bool(request_log),
+                   "conversations": int(conversations),
                    "blank_lines": counts["n_blank"],
                    "quarantined": counts["n_quarantined"], "quarantine_reasons": quarantine_reasons,
                    "turns": counts["n_turns"], "failed_turns": head["failed"]["n"]},
