@@ -924,6 +924,7 @@ def tenants_check(file: str = typer.Argument(..., help="Tenants file (a path or 
     from rich.table import Table
 
     from clarifier.core.tenants import TenantsFileError
+    from clarifier.serving.admission import RateLimit
     from clarifier.serving.tenants import read_tenants
 
     try:
@@ -947,7 +948,7 @@ def tenants_check(file: str = typer.Argument(..., help="Tenants file (a path or 
         shadow = f"{x.shadow_model_uri} ({x.shadow_share:.0%})" if x.shadow_model_uri else "-"
         t.add_row(x.name, x.model_uri, shadow, str(len(x.keys_sha256)),
                   f"{x.latency_budget_s:g} s" if x.latency_budget_s else "serve's",
-                  f"{x.rate_limit_per_s:g}/s (burst {x.rate_burst or max(1, -(-x.rate_limit_per_s // 1)):g})"
+                  f"{x.rate_limit_per_s:g}/s (burst {RateLimit(x.rate_limit_per_s, x.rate_burst).burst:g})"
                   if x.rate_limit_per_s else "-", *([keys[x.name]] if resolve else []))
     _print_table(t)
     if resolve:
@@ -963,8 +964,9 @@ def tenants_key(tenant: str = typer.Argument(..., help="The tenant the new key i
 
     import yaml
 
-    from clarifier.core.tenants import TenantsFileError, add_key_digest, key_digest, parse_tenants
+    from clarifier.core.tenants import TenantsFileError, add_key_digest, parse_tenants
     from clarifier.runtime import storage
+    from clarifier.serving.auth import key_digest
 
     try:
         data = yaml.safe_load(storage.read_text(file))

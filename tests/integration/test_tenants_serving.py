@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from clarifier.core.config import ServeConfig
-from clarifier.core.tenants import key_digest
+from clarifier.serving.auth import key_digest
 from support.adapters import untrained_adapter, with_head
 from support.metrics import metric_value
 

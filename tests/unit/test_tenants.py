@@ -9,7 +9,8 @@ import json
 import pytest
 
 from clarifier.core.tenants import (Caller, TenantDirectory, TenantError, TenantsFileError, add_key_digest,
-                                    key_digest, parse_tenants)
+                                    parse_tenants)
+from clarifier.serving.auth import key_digest
 
 D_SUPPORT, D_HR = key_digest("support-key"), key_digest("hr-key")
 

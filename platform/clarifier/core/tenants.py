@@ -28,7 +28,6 @@ Who may call what (:meth:`TenantDirectory.resolve`):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -138,15 +137,13 @@ def parse_tenants(text: str, where: str = "tenants file") -> TenantsSpec:
     try:
         return TenantsSpec.model_validate(data)
     except ValidationError as exc:
+        # Not core.config.validation_messages: it names the value it got, and a key pasted where its digest belongs
+        # must not be printed.
         msgs = []
         for e in exc.errors():
             loc = ".".join(str(x) for x in e["loc"])
             msgs.append(f"{loc + ': ' if loc else ''}{e['msg'].removeprefix('Value error, ')}")
         raise TenantsFileError(f"{where}: " + "; ".join(msgs)) from None
-
-
-def key_digest(key: str) -> str:
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)

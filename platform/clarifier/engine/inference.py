@@ -334,23 +334,18 @@ class ClarifierEngine:
         decision tokens), all read from one pass over the union of their layers."""
         if heads is None:
             heads = [self.decision_head] * len(items)
-        distinct = {id(h): h for h in heads if h is not None}
-        if len(distinct) <= 1 and (not distinct or all(h is not None for h in heads)):
-            dh = next(iter(distinct.values()), None)
-            probs, feats, state = self._decision_pass(items, keep_cache, dh.layers if dh else None,
-                                                      dh.pooling if dh else ("last",))
-            if dh is not None:
-                probs = dh.probability(feats)
-            return [float(x) for x in probs], state
-        layers = sorted({i for h in distinct.values() for i in h.layers})
-        pooling = [k for k in POOLINGS if any(k in h.pooling for h in distinct.values())]
-        token_probs, feats, state = self._decision_pass(items, keep_cache, layers, pooling)
+        distinct = list({id(h): h for h in heads if h is not None}.values())
+        layers = sorted({i for h in distinct for i in h.layers})
+        pooling = [k for k in POOLINGS if any(k in h.pooling for h in distinct)] or ["last"]
+        token_probs, feats, state = self._decision_pass(items, keep_cache, layers or None, pooling)
         out = [float(x) for x in token_probs]
-        hidden = self.model.config.hidden_size
-        for key, h in distinct.items():
-            rows = [r for r, g in enumerate(heads) if g is not None and id(g) == key]
-            cols = self._torch.tensor(head_columns(h, layers, pooling, hidden), device=feats.device)
-            for r, p in zip(rows, h.probability(feats[rows][:, cols])):
+        for h in distinct:
+            rows = [r for r, g in enumerate(heads) if g is h]
+            x = feats if len(rows) == len(items) else feats[rows]
+            if (list(h.layers), list(h.pooling)) != (layers, pooling):  # it reads some of the pass's features
+                cols = head_columns(h, layers, pooling, self.model.config.hidden_size)
+                x = x[:, self._torch.tensor(cols, device=feats.device)]
+            for r, p in zip(rows, h.probability(x)):
                 out[r] = float(p)
         return out, state
 

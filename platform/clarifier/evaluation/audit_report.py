@@ -15,13 +15,13 @@ PLOTS = {"histogram": "audit-score-histogram.png", "segments": "audit-by-segment
          "position": "audit-by-position.png", "signal": "audit-by-signal.png"}
 
 
-
 def _records(counts: dict) -> str:
     """What a read record is: a conversation, or one request of a serving request log (its history repeated; then
     the conversations they make up are counted too)."""
     if counts.get("request_log"):
         return f"request-log records of {counts.get('conversations', '?')} conversations"
     return "conversations"
+
 
 def pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"

@@ -28,7 +28,8 @@ ENV_VAR = "CLARIFIER_API_KEYS"
 HEADER = "X-API-Key"
 
 
-def _digest(key: str) -> str:
+def key_digest(key: str) -> str:
+    """The SHA-256 hex digest a key is configured and compared by (also a tenant's ``keys_sha256``)."""
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
@@ -63,7 +64,7 @@ def load_api_keys(api_keys_file: str | None = None, environ: Mapping[str, str] |
 
 
 def key_digests(keys: Iterable[str]) -> tuple[str, ...]:
-    return tuple(_digest(k) for k in keys)
+    return tuple(key_digest(k) for k in keys)
 
 
 class ApiKeyAuth:
@@ -86,7 +87,7 @@ class ApiKeyAuth:
             return True
         if not presented:
             return False
-        candidate = _digest(presented).encode("ascii")
+        candidate = key_digest(presented).encode("ascii")
         ok = False
         for d in self._digests:  # every digest is compared, whatever matched before
             ok |= hmac.compare_digest(d, candidate)

@@ -29,11 +29,11 @@ from clarifier.data.chatlog import clarify_request_from_chat
 from clarifier.runtime.retry import RetryPolicy
 from clarifier.serving.auth import ENV_VAR as API_KEYS_ENV
 from clarifier.serving.auth import HEADER as API_KEY_HEADER
-from clarifier.serving.auth import ApiKeyAuth, presented_key
+from clarifier.serving.auth import ApiKeyAuth, key_digest, presented_key
 from clarifier.serving.admission import FairShare, LatencyBudget, RateLimit
 from clarifier.serving.metrics import IngressMetrics
 from clarifier.core.request_record import answer_fields, request_record
-from clarifier.core.tenants import Caller, TenantDirectory, TenantError, TenantSpec, key_digest
+from clarifier.core.tenants import Caller, TenantDirectory, TenantError, TenantSpec
 from clarifier.serving.request_log import RequestLog
 
 
