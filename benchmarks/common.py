@@ -124,6 +124,16 @@ def write_result(name: str, data: dict, out: str | Path | None = None, option: s
     return path
 
 
+def recipe_split(data: str | Path, split: str) -> list:
+    """The Examples of one split of a data-job output (``--data``), or an exit naming how to make the recipe's."""
+    from clarifier.data.outputs import load_split
+
+    if not Path(data).is_dir():
+        raise SystemExit(f"--data {data}: no data-job output there; make the recipe's with "
+                         "`clarifier train --recipe joint-public --prepare --no-train` or pass another")
+    return load_split(str(data), split)
+
+
 def code_version() -> str:
     """The commit the benchmark ran (``+changes`` when the work tree differed from it)."""
     import subprocess

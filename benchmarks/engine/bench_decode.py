@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import cpu_info, result_file, write_result  # noqa: E402
+from common import cpu_info, recipe_split, result_file, write_result  # noqa: E402
 
 MODES = ("generate", "fast", "fast-bf16")
 
@@ -192,13 +192,9 @@ def main() -> None:
     import torch
 
     from clarifier.core.schema import ClarifyRequest, source_of
-    from clarifier.data.outputs import load_split
     from clarifier.engine.loading import load_engine
 
-    if not Path(args.data).is_dir():
-        raise SystemExit(f"--data {args.data}: no data-job output there; make the recipe's with "
-                         "`clarifier train --recipe joint-public --prepare --no-train` or pass another")
-    turns = [e for e in load_split(args.data, "test") if source_of(e) == args.source]
+    turns = [e for e in recipe_split(args.data, "test") if source_of(e) == args.source]
     if len(turns) < args.agree:
         raise SystemExit(f"--data {args.data}: {len(turns)} {args.source} test turns, fewer than --agree {args.agree}")
     step = max(1, len(turns) // args.agree)

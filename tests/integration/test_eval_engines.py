@@ -56,8 +56,9 @@ def eval_file(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(600)
 def test_ray_engine_equals_local_engine(adapter, tiny_model_dir, ray_local):
+    from clarifier.core.prompt import PromptOptions
+    from clarifier.engine.inference import ClarifierEngine, read_meta
     from clarifier.engine.ray_pool import ray_predict
-    from clarifier.engine.inference import ClarifierEngine
 
     examples = _examples()
     local_engine = ClarifierEngine.from_folder(adapter, max_new_tokens=8)
@@ -65,13 +66,14 @@ def test_ray_engine_equals_local_engine(adapter, tiny_model_dir, ray_local):
     asked = sum(p.confidence >= local_engine.threshold for p in local)
     assert 0 < asked < len(examples)  # both paths (score only, score + generate) are exercised
 
-    remote = ray_predict(examples, {"model_uri": str(adapter), "max_new_tokens": 8}, batch_size=BATCH,
-                         actors=2, cpus_per_actor=0.5)
+    # the same batches (neighbours by rendered length, from the model's prompt options) on the actors
+    remote = ray_predict(examples, {"model_uri": str(adapter), "max_new_tokens": 8},
+                         opts=read_meta(adapter).prompt_options(), batch_size=BATCH, actors=2, cpus_per_actor=0.5)
     assert remote == local  # every field, every example, in order
 
     base_local = ClarifierEngine.from_base(str(tiny_model_dir), threshold=0.5).score_examples(examples, BATCH)
     base_remote = ray_predict(examples, {"base_model": str(tiny_model_dir), "threshold": 0.5}, mode="score",
-                              batch_size=BATCH, actors=1, cpus_per_actor=0.5)
+                              opts=PromptOptions(), batch_size=BATCH, actors=1, cpus_per_actor=0.5)
     assert [p.confidence for p in base_remote] == base_local
     assert [p.needs_clarification for p in base_remote] == [s >= 0.5 for s in base_local]
 

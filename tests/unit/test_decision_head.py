@@ -254,3 +254,32 @@ def test_hooked_states_equal_the_models_hidden_states(tiny_model_dir):
     _, both = engine.decision_features(items, [1, 2], ["last", "mean"])
     means = [(out.hidden_states[i] * m).sum(1) / m.sum(1) for i in (1, 2)]
     assert both.shape == (3, 256) and torch.allclose(both, torch.cat([expected, *means], dim=-1), atol=1e-5)
+
+
+def test_engine_batches_neighbours_by_length_and_returns_every_result_in_the_given_order(tiny_model_dir):
+    """score_examples / predict batch turns of similar rendered length (a batch pads to its longest prompt) and
+    put each result back at its turn's place: the same scores as batching them as they come, to float noise."""
+    import numpy as np
+
+    from clarifier.core.prompt import length_order, render_user_message
+    from clarifier.engine.inference import ClarifierEngine
+
+    engine = ClarifierEngine.from_base(str(tiny_model_dir), precision="fp32")
+    examples = _examples(9, "b")
+    examples[3] = examples[3].model_copy(update={"query": examples[3].query + " and more words" * 30})  # the longest
+    lengths = [len(render_user_message(e.history, e.query, e.passages, engine.opts)) for e in examples]
+    batches = engine.batches(examples, 4)
+    assert [len(b) for b in batches] == [4, 4, 1] and sorted(sum(batches, [])) == list(range(9))
+    assert sum(batches, []) == length_order(examples, engine.opts)
+    flat = [lengths[i] for i in sum(batches, [])]
+    assert flat == sorted(flat) and batches[-1] == [3]
+    assert engine.batches(examples, 4, order="given") == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    with pytest.raises(ValueError, match="order must be 'length' or 'given'"):
+        engine.batches(examples, 4, order="random")
+
+    by_length = engine.score_examples(examples, 4)
+    given = engine.score_examples(examples, 4, order="given")
+    one_by_one = [engine.score([(e.history, e.query, e.passages)])[0] for e in examples]
+    assert np.allclose(by_length, one_by_one, atol=1e-5) and np.allclose(given, one_by_one, atol=1e-5)
+    preds = engine.predict(examples, 4)
+    assert [p.confidence for p in preds] == by_length  # predict batches as score_examples does

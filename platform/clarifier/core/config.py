@@ -685,10 +685,21 @@ class AuditConfig(_Strict):
     reuse_scores: bool = Field(False, description="Estimate again from the scored turns an earlier audit wrote "
                                "to `output` (same logs, same model) without scoring again: for other error rates, "
                                "threshold, rule, bootstrap or labels. Refused when the logs or the model changed.")
-    actors: int = Field(1, ge=1, description="Scorer actors (each loads the model once).")
+    actors: int | Literal["auto"] = Field(
+        "auto", description="Scorer actors (each loads the model once). auto = as many as the CPUs hold at "
+        "cpus_per_actor each (this machine's cores for a local Ray, the cluster's CPUs now for RAY_ADDRESS; its GPUs "
+        "at gpus_per_actor when that is > 0), never more than there are blocks of turns to score (4 x batch_size "
+        "turns each). Also label select's.")
     cpus_per_actor: float = Field(1, gt=0, description="CPUs per scorer actor (its torch threads).")
     gpus_per_actor: float = Field(0, ge=0, description="GPUs per scorer actor; > 0 runs the model on CUDA.")
     batch_size: int = Field(8, ge=1, description="Turns per forward pass of a scorer actor.")
+
+    @field_validator("actors")
+    @classmethod
+    def _actors_at_least_one(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError("actors must be >= 1 or 'auto'")
+        return v
     max_turn_chars: int = Field(200_000, ge=1, description="Guard against abuse only: longer turns quarantine their "
                                                             "conversation. Long turns are truncated for the prompt.")
     signals: AuditSignalsConfig = AuditSignalsConfig()

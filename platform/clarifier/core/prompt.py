@@ -147,6 +147,17 @@ def first_shown_turn(history: list, opts: PromptOptions) -> int:
     return max(0, len(history) - opts.max_history_turns)
 
 
+def length_order(examples, opts: PromptOptions) -> list[int]:
+    """Indexes of ``examples`` (anything with ``history``, ``query``, ``passages``) by the length of their rendered
+    conversation, shortest first (stable). Batches of neighbours in this order pad little: on a CPU a batch costs
+    its longest prompt times its rows, so batching turns as they come spends part of every pass on padding (measured
+    by ``benchmarks/engine/bench_batch_order.py``). Everything that scores a list of turns in batches uses it (the
+    engine's ``score_examples`` / ``predict``, the Ray scorer pools, the decision head's features), so the same
+    turns meet the same neighbours wherever they are scored."""
+    return sorted(range(len(examples)), key=lambda i: len(render_user_message(
+        examples[i].history, examples[i].query, examples[i].passages, opts)))
+
+
 def render_prompt(tokenizer, history, query, passages=(), opts: PromptOptions | None = None) -> str:
     """Prompt text ending where the assistant's reply (the joint target) starts.
 

@@ -35,7 +35,7 @@ from clarifier.engine.decode import make_decoder, positions_from_mask, resolve_d
 from clarifier.engine.target_constraint import TargetConstraint, grammar_for, vocab_index
 from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_tokenizer, resolve_base_model
 from clarifier.engine.precision import place, resolve_precision, torch_dtype
-from clarifier.core.prompt import PromptOptions, first_shown_turn, render_prompt
+from clarifier.core.prompt import PromptOptions, first_shown_turn, length_order, render_prompt
 from clarifier.core.schema import ClarifyRequest, ClarifyResponse, Grounding, Usage
 from clarifier.core.target import ANSWER, CLARIFY, DECISION_PREFIX, try_parse_target
 
@@ -362,14 +362,26 @@ class ClarifierEngine:
             return []
         return self._decide(items)[0]
 
-    def score_examples(self, examples, batch_size: int = 8, progress=None) -> list[float]:
-        """P(clarify) for Examples in batches of ``batch_size`` (decision only, no decoding)."""
-        scores: list[float] = []
-        for start in range(0, len(examples), batch_size):
-            chunk = examples[start:start + batch_size]
-            scores += self.score([(e.history, e.query, e.passages) for e in chunk])
+    def batches(self, examples, batch_size: int, order: str = "length") -> list[list[int]]:
+        """Indexes of ``examples`` in batches of ``batch_size``: neighbours by rendered length
+        (:func:`clarifier.core.prompt.length_order`: a batch pads little) or, with ``order="given"``, as they come."""
+        if order not in ("length", "given"):
+            raise ValueError(f"order must be 'length' or 'given', got {order!r}")
+        idx = length_order(examples, self.opts) if order == "length" else list(range(len(examples)))
+        return [idx[k:k + batch_size] for k in range(0, len(idx), batch_size)]
+
+    def score_examples(self, examples, batch_size: int = 8, progress=None, order: str = "length") -> list[float]:
+        """P(clarify) for Examples, in their order, scored in batches of ``batch_size`` (:meth:`batches`; decision
+        only, no decoding)."""
+        scores: list[float] = [0.0] * len(examples)
+        done = 0
+        for rows in self.batches(examples, batch_size, order):
+            for i, s in zip(rows, self.score([(examples[i].history, examples[i].query, examples[i].passages)
+                                              for i in rows])):
+                scores[i] = s
+            done += len(rows)
             if progress:
-                progress(len(scores), len(examples))
+                progress(done, len(examples))
         return scores
 
     def _generate_ids(self, enc: dict, items: list[tuple], cache=None):
@@ -500,20 +512,24 @@ class ClarifierEngine:
             ))
         return out
 
-    def predict(self, examples, batch_size: int = 8, threshold: float | None = None, progress=None):
-        """Evaluation predictions (``core.metrics.Prediction``) for Examples, in order."""
+    def predict(self, examples, batch_size: int = 8, threshold: float | None = None, progress=None,
+                order: str = "length"):
+        """Evaluation predictions (``core.metrics.Prediction``) for Examples, in their order, computed in batches of
+        ``batch_size`` (:meth:`batches`)."""
         from clarifier.core.metrics import Prediction
 
-        preds = []
-        for start in range(0, len(examples), batch_size):
-            chunk = examples[start:start + batch_size]
-            reqs = [ClarifyRequest(history=e.history, query=e.query, passages=e.passages) for e in chunk]
-            for r in self.clarify(reqs, threshold=threshold):
-                preds.append(Prediction(
+        preds: list = [None] * len(examples)
+        done = 0
+        for rows in self.batches(examples, batch_size, order):
+            reqs = [ClarifyRequest(history=examples[i].history, query=examples[i].query, passages=examples[i].passages)
+                    for i in rows]
+            for i, r in zip(rows, self.clarify(reqs, threshold=threshold)):
+                preds[i] = Prediction(
                     needs_clarification=r.needs_clarification, confidence=r.confidence, question=r.question,
                     grounding_turns=tuple(r.grounding.turns), grounding_passages=tuple(r.grounding.passages),
                     valid=r.valid_output,
-                ))
+                )
+            done += len(rows)
             if progress:
-                progress(len(preds), len(examples))
+                progress(done, len(examples))
         return preds

@@ -4,10 +4,11 @@ What evaluation (``eval.engine=ray``), the audit and the work after training (th
 threshold's scores) use to run the one inference engine on a cluster's actors instead of in the driver.
 
 Each scorer actor loads the model once (``ClarifierEngine``) and answers whole batches. The results
-are the local engine's, example for example: the dataset is cut into blocks whose sizes are
-multiples of ``batch_size`` and every actor call re-groups its rows by ``idx // batch_size``, so
-each example is scored in exactly the batch (same neighbours, same padding) it would be scored in
-by ``ClarifierEngine.predict(examples, batch_size)`` in this process.
+are the local engine's, example for example: the examples are put in the engine's batching order
+(:func:`clarifier.core.prompt.length_order` with the model's prompt options), the dataset is cut into
+blocks whose sizes are multiples of ``batch_size`` and every actor call re-groups its rows by
+``idx // batch_size``, so each example is scored in exactly the batch (same neighbours, same padding)
+it would be scored in by ``ClarifierEngine.predict(examples, batch_size)`` in this process.
 
 With ``gpus_per_actor > 0`` each actor loads its model on its CUDA device (the CPU-equality
 guarantee above is for CPU actors; GPU kernels may differ from a CPU run in the last bits). Each
@@ -34,8 +35,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Sequence
 
-from clarifier.core.schema import Example
 from clarifier.core.metrics import Prediction
+from clarifier.core.prompt import PromptOptions, length_order
+from clarifier.core.schema import Example
 
 
 def engine_from_spec(spec: dict, cpus: float = 1):
@@ -250,20 +252,27 @@ def ray_features(examples: Sequence[Example], spec: dict, layers: list[int], poo
     return [float(r["token"]) for r in rows], x, str(rows[0]["precision"])
 
 
-def ray_predict(examples: Sequence[Example], spec: dict, *, mode: str = "predict", batch_size: int = 8,
-                actors: int = 1, cpus_per_actor: float = 1, gpus_per_actor: float = 0,
+def ray_predict(examples: Sequence[Example], spec: dict, *, opts: PromptOptions | None, mode: str = "predict",
+                batch_size: int = 8, actors: int = 1, cpus_per_actor: float = 1, gpus_per_actor: float = 0,
                 progress: Callable[[str], None] | None = None) -> list[Prediction]:
     """Predictions for ``examples`` (in their order) from a pool of ``actors`` ``ScorerActor``s.
 
-    Ray must already be initialised (``clarifier.runtime.cluster.init_ray``); equal to
-    ``ClarifierEngine.predict(examples, batch_size)`` (or ``score_examples`` with ``mode="score"``).
+    ``opts``: the model's prompt options (``read_meta(folder).prompt_options()``): the examples are batched as
+    :meth:`ClarifierEngine.batches` batches them (neighbours by rendered length); None: as they come. Ray must
+    already be initialised (``clarifier.runtime.cluster.init_ray``); on CPU actors equal to
+    ``ClarifierEngine.predict(examples, batch_size)`` (or ``score_examples`` with ``mode="score"``), or with
+    ``order="given"`` when ``opts`` is None.
     """
     if mode not in ("predict", "score"):
         raise ValueError(f"ray_predict mode must be 'predict' or 'score', got {mode!r}")
     if not examples:
         return []
-    rows = _run_pool(examples, spec, mode=mode, batch_size=batch_size, actors=actors, cpus_per_actor=cpus_per_actor,
-                     gpus_per_actor=gpus_per_actor)
+    order = length_order(examples, opts) if opts is not None else list(range(len(examples)))
+    rows = _run_pool([examples[i] for i in order], spec, mode=mode, batch_size=batch_size, actors=actors,
+                     cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor)
     if progress:
         progress(f"[eval] ray: {len(examples)} examples scored by {actors} actor(s)")
-    return [_pred_from_json(r["pred_json"]) for r in rows]
+    preds: list = [None] * len(examples)
+    for pos, i in enumerate(order):
+        preds[i] = _pred_from_json(rows[pos]["pred_json"])
+    return preds

@@ -71,22 +71,21 @@ class TurnScorer:
     same actor) and ``failed`` from the signal columns. One pool holds both models, so the cheap stages
     after it never wait for a CPU."""
 
-    def __init__(self, spec: dict, batch_size: int = 8, cpus: float = 1, reformulation: dict | None = None):
+    def __init__(self, spec: dict, batch_size: int = 8, cpus: float = 1, reformulation: dict | None = None,
+                 counter=None):
         from clarifier.data.signals import ReformulationScorer
         from clarifier.engine.ray_pool import engine_from_spec
 
         self.engine = engine_from_spec(spec, cpus)
         self.batch_size = batch_size
         self.reformulation = ReformulationScorer(**reformulation) if reformulation else None
+        self.counter = counter  # clarifier.runtime.progress.RowCounter: the driver's progress lines
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         from clarifier.core.schema import Example
 
         examples = [Example.model_validate_json(s) for s in batch.column("turn_json").to_pylist()]
-        scores: list[float] = []
-        for start in range(0, len(examples), self.batch_size):
-            chunk = examples[start:start + self.batch_size]
-            scores += self.engine.score([(e.history, e.query, e.passages) for e in chunk])
+        scores = self.engine.score_examples(examples, self.batch_size)  # the block's turns batched by length
         thr = self.engine.threshold
         batch = batch.append_column("score", pa.array(scores, pa.float64()))
         batch = batch.append_column("flagged", pa.array([s >= thr for s in scores], pa.bool_()))
@@ -95,6 +94,8 @@ class TurnScorer:
         else:
             batch = batch.append_column("reformulation_sim", pa.array([None] * batch.num_rows, pa.float32()))
             batch = batch.append_column("reformulation", pa.array([None] * batch.num_rows, pa.bool_()))
+        if self.counter is not None:
+            self.counter.add.remote(batch.num_rows)
         return mark_failed(batch)
 
 
@@ -442,8 +443,9 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
     from clarifier.engine.inference import read_meta
     from clarifier.engine.loading import resolve_model
     from clarifier.engine.precision import describe
-    from clarifier.runtime.cluster import init_ray
+    from clarifier.runtime.cluster import init_ray, pool_size
     from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
+    from clarifier.runtime.progress import counted
 
     a = cfg.audit
     t0 = time.time()
@@ -526,20 +528,25 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
     turns_uri = storage.join(a.output, TURNS_DIR)
     tfs, tpath = storage.filesystem(turns_uri)
     seg_cols = [segment_column(s) for s in a.segments]
+    actors = None  # the scorer actors this run started (None: the scores were reused)
     if a.reuse_scores:
         t_scored = 0.0
     else:
-        progress(f"[audit] scoring {counts['n_turns']} turns with {a.actors} actor(s), {precision}")
-        scored = turns.map_batches(
-            TurnScorer, batch_size=a.batch_size * 4, batch_format="pyarrow",
-            fn_constructor_kwargs={"spec": spec, "batch_size": a.batch_size, "cpus": a.cpus_per_actor,
-                                   "reformulation": reform},
-            compute=ray.data.ActorPoolStrategy(size=a.actors, max_tasks_in_flight_per_actor=SCORE_IN_FLIGHT),
-            num_cpus=a.cpus_per_actor,
-            num_gpus=a.gpus_per_actor or None,
-        )
-        scored.select_columns(TURN_COLUMNS + seg_cols, num_cpus=0).write_parquet(
-            tpath, filesystem=tfs, min_rows_per_file=ROWS_PER_FILE, ray_remote_args={"num_cpus": 0})
+        actors = pool_size(ray, a.actors, cpus_per_actor=a.cpus_per_actor, gpus_per_actor=a.gpus_per_actor,
+                           rows=counts["n_turns"], rows_per_block=a.batch_size * 4)
+        progress(f"[audit] scoring {counts['n_turns']} turns with {actors} actor(s)"
+                 f"{' (audit.actors=auto)' if a.actors == 'auto' else ''}, {precision}")
+        with counted(ray, "[audit]", counts["n_turns"], progress) as counter:
+            scored = turns.map_batches(
+                TurnScorer, batch_size=a.batch_size * 4, batch_format="pyarrow",
+                fn_constructor_kwargs={"spec": spec, "batch_size": a.batch_size, "cpus": a.cpus_per_actor,
+                                       "reformulation": reform, "counter": counter},
+                compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=SCORE_IN_FLIGHT),
+                num_cpus=a.cpus_per_actor,
+                num_gpus=a.gpus_per_actor or None,
+            )
+            scored.select_columns(TURN_COLUMNS + seg_cols, num_cpus=0).write_parquet(
+                tpath, filesystem=tfs, min_rows_per_file=ROWS_PER_FILE, ray_remote_args={"num_cpus": 0})
         t_scored = time.time() - t0
         storage.write_text(storage.join(a.output, SCORES), json.dumps(scored_from, indent=1))
         progress(f"[audit] scored turns -> {turns_uri} ({t_scored:.0f}s)")
@@ -582,12 +589,12 @@ def _run(cfg: ClarifierConfig, progress) -> dict:
         notes.append("no turn in these logs carries a failure signal (feedback, no-answer replies, escalation, "
                      "reformulation): only the flagged share of all turns is reported")
 
-    sample = _sample_questions(ray, written, spec, a, progress) if a.sample_questions else []
+    sample = _sample_questions(ray, written, spec, meta.prompt_options(), a, progress) if a.sample_questions else []
     summary = {
         "started": started.isoformat(timespec="seconds"), "seconds": round(time.time() - t0, 1),
         "seconds_read_and_score": round(t_scored, 1), "reused_scores": a.reuse_scores, "logs": a.logs, "output": a.output,
         "model_uri": model_uri, "model_version": resolved.version, "base_model": meta.base_model,
-        "threshold": meta.threshold, "estimation_threshold": est_threshold, "precision": precision, "actors": a.actors,
+        "threshold": meta.threshold, "estimation_threshold": est_threshold, "precision": precision, "actors": actors,
         "counts": {"files": len(files), "records": counts["n_lines"], "request_log": bool(request_log),
                    "conversations": int(conversations),
                    "blank_lines": counts["n_blank"],
@@ -635,7 +642,7 @@ def _breakdowns(ests: dict, segments: list[str]) -> dict:
     return out
 
 
-def _sample_questions(ray, written, spec: dict, a, progress) -> list[dict]:
+def _sample_questions(ray, written, spec: dict, opts, a, progress) -> list[dict]:
     """Questions for a seeded sample of flagged turns (the smallest sample keys), generated by the model."""
     from ray.data.expressions import col
 
@@ -651,7 +658,7 @@ def _sample_questions(ray, written, spec: dict, a, progress) -> list[dict]:
         return []
     examples = [Example.model_validate_json(r["turn_json"]) for r in cand]
     progress(f"[audit] generating questions for {len(examples)} flagged turns (a seeded sample)")
-    preds = ray_predict(examples, spec, mode="predict", batch_size=a.batch_size, actors=1,
+    preds = ray_predict(examples, spec, opts=opts, mode="predict", batch_size=a.batch_size, actors=1,
                         cpus_per_actor=a.cpus_per_actor, gpus_per_actor=a.gpus_per_actor)
     return [{"id": r["id"], "score": round(float(r["score"]), 4), "failed": bool(r["failed"]),
              "history": [t.model_dump() for t in e.history[-4:]], "query": e.query,

@@ -142,7 +142,7 @@ def similarity_fn_for(cfg: ClarifierConfig, progress):
         return None, f"unavailable: {exc}"
 
 
-def _predict(cfg: ClarifierConfig, spec: dict, examples: list[Example], *, engine=None, mode: str = "predict",
+def _predict(cfg: ClarifierConfig, spec: dict, examples: list[Example], *, opts, engine=None, mode: str = "predict",
              progress=print, bar=None) -> list:
     """Predictions through the configured engine (``eval.engine``): in process, or Ray Data actors."""
     from clarifier.core.metrics import Prediction
@@ -152,7 +152,7 @@ def _predict(cfg: ClarifierConfig, spec: dict, examples: list[Example], *, engin
         from clarifier.runtime.cluster import init_ray
 
         init_ray()
-        return ray_predict(examples, spec, mode=mode, batch_size=cfg.eval.batch_size, progress=progress,
+        return ray_predict(examples, spec, opts=opts, mode=mode, batch_size=cfg.eval.batch_size, progress=progress,
                            **cfg.eval.ray_pool())
     if mode == "score":
         return [Prediction(needs_clarification=p >= engine.threshold, confidence=p)
@@ -333,6 +333,7 @@ def evaluate_training_run(cfg: ClarifierConfig, model_dir: str, run_id: str, *, 
 
 def _model_predictions(cfg: ClarifierConfig, spec: dict, resolved, examples: list[Example], progress, bar) -> list:
     """A trained model's predictions: loaded in this process (``eval.engine=local``), else by the actors."""
+    from clarifier.engine.inference import read_meta
     from clarifier.engine.loading import load_engine
 
     engine = None
@@ -346,7 +347,8 @@ def _model_predictions(cfg: ClarifierConfig, spec: dict, resolved, examples: lis
 
         init_ray()
         spec = {**{k: v for k, v in spec.items() if k != "model_uri"}, **model_fields(spec["model_uri"])}
-    return _predict(cfg, spec, examples, engine=engine, progress=progress, bar=bar)
+    return _predict(cfg, spec, examples, opts=read_meta(resolved.folder).prompt_options(), engine=engine,
+                    progress=progress, bar=bar)
 
 
 def _zero_shot_predictions(cfg: ClarifierConfig, meta, examples: list[Example], progress, bar) -> list:
@@ -360,7 +362,8 @@ def _zero_shot_predictions(cfg: ClarifierConfig, meta, examples: list[Example], 
     if cfg.eval.engine == "local":
         engine = ClarifierEngine.from_base(meta.base_model, cache_dir=cfg.model.cache_dir, threshold=0.5,
                                            prompt_opts=meta.prompt_options(), precision=cfg.model.precision)
-    return _predict(cfg, spec, examples, engine=engine, mode="score", progress=progress, bar=bar)
+    return _predict(cfg, spec, examples, opts=meta.prompt_options(), engine=engine, mode="score", progress=progress,
+                    bar=bar)
 
 
 def _flat_metrics(prefix: str, d: dict) -> dict[str, float]:

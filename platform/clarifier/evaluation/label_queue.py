@@ -122,8 +122,9 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
     from clarifier.engine.loading import resolve_model
     from clarifier.engine.ray_pool import model_fields
     from clarifier.evaluation.audit import SCORE_IN_FLIGHT, TurnScorer, _small_blocks, default_model_uri
-    from clarifier.runtime.cluster import init_ray
+    from clarifier.runtime.cluster import init_ray, pool_size
     from clarifier.runtime.mlflow_uri import tracking_uri as resolve_tracking_uri
+    from clarifier.runtime.progress import counted
 
     a = cfg.audit
     t0 = time.time()
@@ -179,16 +180,21 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
         spec = {**model_fields(model_uri), "tracking_uri": tracking_uri, "cache_dir": cfg.model.cache_dir,
                 "max_new_tokens": cfg.eval.max_new_tokens, "precision": cfg.model.precision,
                 **({"device": "cuda"} if a.gpus_per_actor else {})}
-        progress(f"[label] scoring {counts['n_turns']} turns with {a.actors} actor(s)")
+        actors = pool_size(ray, a.actors, cpus_per_actor=a.cpus_per_actor, gpus_per_actor=a.gpus_per_actor,
+                           rows=counts["n_turns"], rows_per_block=a.batch_size * 4)
+        progress(f"[label] scoring {counts['n_turns']} turns with {actors} actor(s)"
+                 f"{' (audit.actors=auto)' if a.actors == 'auto' else ''}")
         turns = read(num_cpus=0, concurrency=max(1, min(4, len(paths)))).filter(expr=col("kind") == "turn", num_cpus=0)
-        scored = turns.map_batches(
-            TurnScorer, batch_size=a.batch_size * 4, batch_format="pyarrow",
-            fn_constructor_kwargs={"spec": spec, "batch_size": a.batch_size, "cpus": a.cpus_per_actor},
-            compute=ray.data.ActorPoolStrategy(size=a.actors, max_tasks_in_flight_per_actor=SCORE_IN_FLIGHT),
-            num_cpus=a.cpus_per_actor, num_gpus=a.gpus_per_actor or None)
         sfs, spath = storage.filesystem(storage.join(out, SCORED))
-        scored.select_columns(SCORED_COLUMNS, num_cpus=0).write_parquet(spath, filesystem=sfs,
-                                                                        ray_remote_args={"num_cpus": 0})
+        with counted(ray, "[label]", counts["n_turns"], progress) as counter:
+            scored = turns.map_batches(
+                TurnScorer, batch_size=a.batch_size * 4, batch_format="pyarrow",
+                fn_constructor_kwargs={"spec": spec, "batch_size": a.batch_size, "cpus": a.cpus_per_actor,
+                                       "counter": counter},
+                compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=SCORE_IN_FLIGHT),
+                num_cpus=a.cpus_per_actor, num_gpus=a.gpus_per_actor or None)
+            scored.select_columns(SCORED_COLUMNS, num_cpus=0).write_parquet(spath, filesystem=sfs,
+                                                                            ray_remote_args={"num_cpus": 0})
     written = ray.data.read_parquet(spath, filesystem=sfs)
     rows = sorted(written.select_columns(["id", "conversation_id", "score", "gold"]).take_all(), key=lambda r: r["id"])
     if len(rows) != counts["n_turns"]:

@@ -85,6 +85,21 @@ def usable_cpus(ray) -> int:
     return max(1, cpus)
 
 
+def pool_size(ray, actors: int | str, *, cpus_per_actor: float, gpus_per_actor: float = 0, rows: int,
+              rows_per_block: int) -> int:
+    """Actors for a pool of model-holding actors (``audit.actors``): a number as it is; ``auto`` = as many as the
+    CPUs hold at ``cpus_per_actor`` each (:func:`usable_cpus`: the cores of a local instance, the cluster's CPUs
+    now) or, with ``gpus_per_actor``, as many as its GPUs hold, and no more than there are blocks of
+    ``rows_per_block`` rows to hand them (each actor loads the model: a small job gets one)."""
+    if actors != "auto":
+        return int(actors)
+    if gpus_per_actor:
+        fit = int(ray.cluster_resources().get("GPU", 0) // gpus_per_actor)
+    else:
+        fit = int(usable_cpus(ray) // cpus_per_actor)
+    return max(1, min(fit, -(-rows // max(1, rows_per_block))))
+
+
 def init_ray(num_cpus: int | None = None, quiet: bool = True):
     """Join the cluster in ``RAY_ADDRESS`` (e.g. inside ``ray job submit``) or start a local one."""
     import ray

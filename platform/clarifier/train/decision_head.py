@@ -23,6 +23,7 @@ from typing import Callable
 
 from clarifier.core.config import DecisionHeadConfig
 from clarifier.core.metrics import within_source_summary
+from clarifier.core.prompt import length_order
 from clarifier.core.schema import sample_by_source, source_of
 
 
@@ -34,15 +35,6 @@ def balanced_weights(sources: list[str], gold: list[bool]) -> list[float]:
     raw = [1.0 / cells[(s, g)] for s, g in zip(sources, gold)]
     scale = len(raw) / sum(raw)
     return [w * scale for w in raw]
-
-
-def length_order(examples, opts) -> list[int]:
-    """Indexes of ``examples`` by the length of their rendered conversation (``opts``: the model's prompt
-    options), so that a batch of neighbours pads little."""
-    from clarifier.core.prompt import render_user_message
-
-    return sorted(range(len(examples)), key=lambda i: len(render_user_message(
-        examples[i].history, examples[i].query, examples[i].passages, opts)))
 
 
 def hidden_features(engine, examples, layers, batch_size: int, label: str, progress: Callable[[str], None],

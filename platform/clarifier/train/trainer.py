@@ -416,10 +416,12 @@ def _decision_head_and_threshold(cfg: ClarifierConfig, folder: Path, progress) -
         return head, None
     scores, precision = (head["dev_scores"], head["precision"]) if head else (None, cfg.model.precision)
     if scores is None and e.engine == "ray":
+        from clarifier.engine.inference import read_meta
         from clarifier.engine.ray_pool import ray_predict, ship_folder
 
         spec = {**ship_folder(folder), "cache_dir": cfg.model.cache_dir, "precision": cfg.model.precision}
-        scores = [p.confidence for p in ray_predict(examples, spec, mode="score", batch_size=e.batch_size, **pool)]
+        scores = [p.confidence for p in ray_predict(examples, spec, opts=read_meta(folder).prompt_options(),
+                                                    mode="score", batch_size=e.batch_size, **pool)]
         progress(f"[calibrate] {len(examples)} {split} examples scored by {e.ray_actors} Ray actor(s) (eval.engine=ray)")
     return head, calibrate_model(folder, examples, max_over_asking=cfg.eval.max_over_asking,
                                  cache_dir=cfg.model.cache_dir, batch_size=cfg.eval.batch_size, progress=progress,
