@@ -4,6 +4,7 @@ turns near the threshold plus a kept-apart slice, never queueing a labelled turn
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,8 @@ def test_label_select_queues_uncertain_diverse_turns_and_a_kept_apart_slice(tmp_
     res = run(tmp_path / "q1")
     assert res.exit_code == 0, res.output
     assert "1 quarantined" in res.output and "queued 12 turns" in res.output
+    # audit.actors=auto: as many actors as the cores hold, no more than the 5 blocks of 16 turns
+    assert re.search(r"scoring 80 turns with [1-5] actor\(s\) \(audit.actors=auto\)", res.output), res.output
     q = _queue(tmp_path / "q1")
     parts = [r["meta"]["queue"]["part"] for r in q]
     assert len(q) == 12 and parts.count("kept_apart") == 4

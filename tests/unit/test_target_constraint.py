@@ -429,3 +429,16 @@ def test_a_pipeline_model_decodes_valid_targets_through_both_stages(tiny_model_d
     out = eng.clarify(reqs)
     assert all(r.needs_clarification and r.valid_output for r in out)
     assert all(question_problem(r.question) is None for r in out)
+
+
+def test_vocab_index_is_built_once_per_vocabulary_not_per_tokenizer_object(tiny_model_dir):
+    """Each engine loads its own tokenizer (a replica's tenants adapted from one base): the index (about a second
+    for a real vocabulary) is shared by tokenizers that are the same, and not by one that differs."""
+    from clarifier.engine.models import load_tokenizer
+    from clarifier.engine.target_constraint import vocab_index
+
+    a, b = load_tokenizer(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
+    assert a is not b and vocab_index(a) is vocab_index(b) is vocab_index(a)
+    c = load_tokenizer(str(tiny_model_dir))
+    c.add_tokens(["<clarifier-test-token>"])
+    assert vocab_index(c) is not vocab_index(a) and len(vocab_index(c).texts) == len(vocab_index(a).texts) + 1

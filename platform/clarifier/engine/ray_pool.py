@@ -23,6 +23,7 @@ output, ``clarifier eval --model ./folder``) travels through Ray's object store 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -148,7 +149,7 @@ class ScorerActor:
     """
 
     def __init__(self, spec: dict, mode: str = "predict", batch_size: int = 8, cpus: float = 1,
-                 features: dict | None = None):
+                 features: dict | None = None, counter=None):
         if mode not in ("predict", "score", "features"):
             raise ValueError(f"ScorerActor mode must be 'predict', 'score' or 'features', got {mode!r}")
         if (mode == "features") != (features is not None):
@@ -157,8 +158,15 @@ class ScorerActor:
         self.mode = mode
         self.batch_size = batch_size
         self.features = features
+        self.counter = counter  # clarifier.runtime.progress.RowCounter: the driver's progress lines
 
     def __call__(self, batch: dict) -> dict:
+        out = self._call(batch)
+        if self.counter is not None:
+            self.counter.add.remote(len(out["idx"]))
+        return out
+
+    def _call(self, batch: dict) -> dict:
         idx = [int(i) for i in batch["idx"]]
         examples = [Example.model_validate_json(s) for s in batch["example_json"]]
         groups: dict[int, list[int]] = {}
@@ -200,10 +208,14 @@ def _pred_from_json(s: str) -> Prediction:
 
 
 def _run_pool(examples: Sequence[Example], spec: dict, *, mode: str, batch_size: int, actors: int,
-              cpus_per_actor: float, gpus_per_actor: float, features: dict | None = None) -> list[dict]:
-    """Every example through a pool of ``actors`` ``ScorerActor``s; their output rows in the examples' order."""
+              cpus_per_actor: float, gpus_per_actor: float, features: dict | None = None,
+              progress: Callable[[str], None] | None = None, label: str = "[eval]") -> list[dict]:
+    """Every example through a pool of ``actors`` ``ScorerActor``s; their output rows in the examples' order.
+    With ``progress``: a line every 30 s while they work (:func:`clarifier.runtime.progress.counted`)."""
     import pyarrow as pa
     import ray
+
+    from clarifier.runtime.progress import counted
 
     if not ray.is_initialized():
         raise RuntimeError("scoring on Ray actors needs a running Ray (clarifier.runtime.cluster.init_ray()); none is "
@@ -220,16 +232,17 @@ def _run_pool(examples: Sequence[Example], spec: dict, *, mode: str, batch_size:
     ds = ray.data.from_arrow(tables)
     if gpus_per_actor:
         spec = {**spec, "device": "cuda"}
-    ds = ds.map_batches(
-        ScorerActor,
-        fn_constructor_kwargs={"spec": spec, "mode": mode, "batch_size": batch_size, "cpus": cpus_per_actor,
-                               **({"features": features} if features is not None else {})},
-        compute=ray.data.ActorPoolStrategy(size=actors),
-        batch_size=batch_size,
-        num_cpus=cpus_per_actor,
-        num_gpus=gpus_per_actor or None,
-    )
-    rows = ds.take_all()
+    with counted(ray, label, n, progress) if progress else contextlib.nullcontext() as counter:
+        ds = ds.map_batches(
+            ScorerActor,
+            fn_constructor_kwargs={"spec": spec, "mode": mode, "batch_size": batch_size, "cpus": cpus_per_actor,
+                                   "counter": counter, **({"features": features} if features is not None else {})},
+            compute=ray.data.ActorPoolStrategy(size=actors),
+            batch_size=batch_size,
+            num_cpus=cpus_per_actor,
+            num_gpus=gpus_per_actor or None,
+        )
+        rows = ds.take_all()
     if len(rows) != n:
         raise RuntimeError(f"Ray scoring returned {len(rows)} rows for {n} examples")
     rows.sort(key=lambda r: int(r["idx"]))
@@ -237,7 +250,8 @@ def _run_pool(examples: Sequence[Example], spec: dict, *, mode: str, batch_size:
 
 
 def ray_features(examples: Sequence[Example], spec: dict, layers: list[int], pooling: Sequence[str], *,
-                 batch_size: int = 8, actors: int = 1, cpus_per_actor: float = 1, gpus_per_actor: float = 0):
+                 batch_size: int = 8, actors: int = 1, cpus_per_actor: float = 1, gpus_per_actor: float = 0,
+                 progress: Callable[[str], None] | None = None, label: str = "[head]"):
     """``(decision-token P(clarify), [n, features] float32 array, precision)`` of ``examples`` in their order,
     computed by the actors: equal to ``ClarifierEngine.decision_features`` on the same batches of
     ``batch_size`` consecutive examples in this process (on CPU actors)."""
@@ -247,7 +261,7 @@ def ray_features(examples: Sequence[Example], spec: dict, layers: list[int], poo
         raise ValueError("ray_features: no examples")
     rows = _run_pool(examples, spec, mode="features", batch_size=batch_size, actors=actors,
                      cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
-                     features={"layers": list(layers), "pooling": list(pooling)})
+                     features={"layers": list(layers), "pooling": list(pooling)}, progress=progress, label=label)
     x = np.stack([np.frombuffer(r["features"], dtype=np.float32) for r in rows])
     return [float(r["token"]) for r in rows], x, str(rows[0]["precision"])
 
@@ -269,7 +283,7 @@ def ray_predict(examples: Sequence[Example], spec: dict, *, opts: PromptOptions 
         return []
     order = length_order(examples, opts) if opts is not None else list(range(len(examples)))
     rows = _run_pool([examples[i] for i in order], spec, mode=mode, batch_size=batch_size, actors=actors,
-                     cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor)
+                     cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor, progress=progress)
     if progress:
         progress(f"[eval] ray: {len(examples)} examples scored by {actors} actor(s)")
     preds: list = [None] * len(examples)

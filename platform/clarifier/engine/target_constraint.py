@@ -57,7 +57,9 @@ from __future__ import annotations
 
 import bisect
 import re
+import threading
 import unicodedata
+import weakref
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -345,10 +347,42 @@ class VocabIndex:
         return best[-1]
 
 
-@lru_cache(maxsize=8)
 def vocab_index(tok) -> VocabIndex:
-    """The tokenizer's ``VocabIndex``, built once (about a second for a 49k vocabulary)."""
-    return VocabIndex(tok)
+    """The tokenizer's ``VocabIndex``, built once per vocabulary (about a second for a 49k one): engines whose
+    tokenizers are the same (a serving replica's tenants adapted from one base, each loading its own tokenizer)
+    share one index. Looked up by the tokenizer object first (every question asks for it), then by what the
+    index depends on (:func:`_vocab_key`)."""
+    try:
+        return _BY_OBJECT[tok]
+    except (KeyError, TypeError):
+        pass
+    key = _vocab_key(tok)
+    with _LOCK:
+        index = _BY_KEY.pop(key, None) or VocabIndex(tok)
+        _BY_KEY[key] = index  # most recently used last
+        while len(_BY_KEY) > _KEEP:
+            _BY_KEY.pop(next(iter(_BY_KEY)))
+    try:
+        _BY_OBJECT[tok] = index
+    except TypeError:  # a tokenizer that cannot be weakly referenced: found by its key each time
+        pass
+    return index
+
+
+def _vocab_key(tok) -> str:
+    """What the index depends on: the tokenizer's whole definition (vocabulary, merges, added and special tokens,
+    normaliser, decoder) as its fast backend serialises it, and its special ids."""
+    import hashlib
+
+    backend = getattr(tok, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items()))
+    return hashlib.sha256((text + repr((tok.all_special_ids, tok.eos_token_id))).encode()).hexdigest()
+
+
+_KEEP = 8  # distinct vocabularies kept
+_LOCK = threading.Lock()
+_BY_KEY: dict[str, VocabIndex] = {}
+_BY_OBJECT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class TargetConstraint:

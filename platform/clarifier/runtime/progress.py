@@ -1,4 +1,5 @@
-"""Progress lines while a Ray Data pool of scorer actors works (``clarifier audit``, ``clarifier label select``).
+"""Progress lines while a Ray Data pool of scorer actors works (``clarifier audit``, ``clarifier label select``,
+``clarifier eval`` with ``eval.engine=ray``, the decision head's states read on actors).
 
 The driver waits inside one Ray Data call (``write_parquet``) for as long as the scoring takes: tens of minutes
 on a big log. Ray Data's own progress bars are off (they would interleave with the command's lines, and they count
@@ -73,8 +74,11 @@ class ProgressLines:
         return line
 
 
+EVERY_S = 30.0  # seconds between two lines
+
+
 @contextmanager
-def counted(ray, prefix: str, total: int, emit: Callable[[str], None], every_s: float = 30.0,
+def counted(ray, prefix: str, total: int, emit: Callable[[str], None], every_s: float | None = None,
             what: str = "turns") -> Iterator[object]:
     """A :class:`RowCounter` actor handle to give the actors (``counter.add.remote(n)`` per batch), with a thread
     printing :class:`ProgressLines` every ``every_s`` seconds until the block ends. The counter actor is killed at
@@ -82,6 +86,7 @@ def counted(ray, prefix: str, total: int, emit: Callable[[str], None], every_s: 
     counter = _counter_class().remote()
     lines = ProgressLines(prefix, total, what)
     stop = threading.Event()
+    every_s = EVERY_S if every_s is None else every_s
 
     def watch() -> None:
         while not stop.wait(every_s):

@@ -98,7 +98,8 @@ class RayFeatures:
         t0 = time.time()
         order = length_order(examples, self.opts)
         token_sorted, x_sorted, self.precision = ray_features([examples[i] for i in order], self.spec, layers, pooling,
-                                                              batch_size=batch_size, **self.pool)
+                                                              batch_size=batch_size, progress=progress,
+                                                              label=f"[head] {label}:", **self.pool)
         token, x = [0.0] * len(examples), np.empty_like(x_sorted)
         for pos, i in enumerate(order):
             token[i] = token_sorted[pos]
