@@ -250,20 +250,31 @@ def _run_pool(examples: Sequence[Example], spec: dict, *, mode: str, batch_size:
 
 
 def ray_features(examples: Sequence[Example], spec: dict, layers: list[int], pooling: Sequence[str], *,
-                 batch_size: int = 8, actors: int = 1, cpus_per_actor: float = 1, gpus_per_actor: float = 0,
-                 progress: Callable[[str], None] | None = None, label: str = "[head]"):
+                 opts: PromptOptions | None, batch_size: int = 8, actors: int = 1, cpus_per_actor: float = 1,
+                 gpus_per_actor: float = 0, progress: Callable[[str], None] | None = None, label: str = "[head]"):
     """``(decision-token P(clarify), [n, features] float32 array, precision)`` of ``examples`` in their order,
-    computed by the actors: equal to ``ClarifierEngine.decision_features`` on the same batches of
-    ``batch_size`` consecutive examples in this process (on CPU actors)."""
+    computed by the actors: on CPU actors equal to ``ClarifierEngine.decision_features`` on the batches
+    :meth:`ClarifierEngine.batches` makes (``opts``: the model's prompt options, as in :func:`ray_predict`; None:
+    ``batch_size`` consecutive examples)."""
     import numpy as np
 
     if not examples:
         raise ValueError("ray_features: no examples")
-    rows = _run_pool(examples, spec, mode="features", batch_size=batch_size, actors=actors,
+    order = _order(examples, opts)
+    rows = _run_pool([examples[i] for i in order], spec, mode="features", batch_size=batch_size, actors=actors,
                      cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
                      features={"layers": list(layers), "pooling": list(pooling)}, progress=progress, label=label)
-    x = np.stack([np.frombuffer(r["features"], dtype=np.float32) for r in rows])
-    return [float(r["token"]) for r in rows], x, str(rows[0]["precision"])
+    x_sorted = np.stack([np.frombuffer(r["features"], dtype=np.float32) for r in rows])
+    token, x = [0.0] * len(examples), np.empty_like(x_sorted)
+    for pos, i in enumerate(order):
+        token[i] = float(rows[pos]["token"])
+    x[order] = x_sorted
+    return token, x, str(rows[0]["precision"])
+
+
+def _order(examples: Sequence[Example], opts: PromptOptions | None) -> list[int]:
+    """The order the actors get ``examples`` in: the engine's batching order (by rendered length) or as they come."""
+    return length_order(examples, opts) if opts is not None else list(range(len(examples)))
 
 
 def ray_predict(examples: Sequence[Example], spec: dict, *, opts: PromptOptions | None, mode: str = "predict",
@@ -281,7 +292,7 @@ def ray_predict(examples: Sequence[Example], spec: dict, *, opts: PromptOptions 
         raise ValueError(f"ray_predict mode must be 'predict' or 'score', got {mode!r}")
     if not examples:
         return []
-    order = length_order(examples, opts) if opts is not None else list(range(len(examples)))
+    order = _order(examples, opts)
     rows = _run_pool([examples[i] for i in order], spec, mode=mode, batch_size=batch_size, actors=actors,
                      cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor, progress=progress)
     if progress:

@@ -23,7 +23,6 @@ from typing import Callable
 
 from clarifier.core.config import DecisionHeadConfig
 from clarifier.core.metrics import within_source_summary
-from clarifier.core.prompt import length_order
 from clarifier.core.schema import sample_by_source, source_of
 
 
@@ -44,20 +43,19 @@ def hidden_features(engine, examples, layers, batch_size: int, label: str, progr
     import numpy as np
     import torch
 
-    order = length_order(examples, engine.opts)
-    token, feats, t0 = [0.0] * len(examples), [], time.time()
-    for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
+    batches = engine.batches(examples, batch_size)
+    token, feats, done, t0 = [0.0] * len(examples), [], 0, time.time()
+    for rows in batches:
         p, f = engine.decision_features([(examples[i].history, examples[i].query, examples[i].passages) for i in rows],
                                         layers, pooling)
         for i, v in zip(rows, p):
             token[i] = v
         feats.append(f)
-        done = start + len(rows)
+        done += len(rows)
         if done % 64 < len(rows) or done == len(examples):  # the CLI shows these as one live line
             progress(f"[head] {label}: {done}/{len(examples)} ({done / max(time.time() - t0, 1e-9):.1f} examples/s)")
     x = np.empty((len(examples), feats[0].shape[1]), dtype=np.float32)
-    x[order] = torch.cat(feats).numpy()
+    x[sum(batches, [])] = torch.cat(feats).numpy()
     return token, x
 
 
@@ -91,19 +89,12 @@ class RayFeatures:
         self.pool = {"actors": actors, "cpus_per_actor": cpus_per_actor, "gpus_per_actor": gpus_per_actor}
 
     def __call__(self, examples, layers, pooling, batch_size: int, label: str, progress: Callable[[str], None]):
-        import numpy as np
-
         from clarifier.engine.ray_pool import ray_features
 
         t0 = time.time()
-        order = length_order(examples, self.opts)
-        token_sorted, x_sorted, self.precision = ray_features([examples[i] for i in order], self.spec, layers, pooling,
-                                                              batch_size=batch_size, progress=progress,
-                                                              label=f"[head] {label}:", **self.pool)
-        token, x = [0.0] * len(examples), np.empty_like(x_sorted)
-        for pos, i in enumerate(order):
-            token[i] = token_sorted[pos]
-        x[order] = x_sorted
+        token, x, self.precision = ray_features(examples, self.spec, layers, pooling, opts=self.opts,
+                                                batch_size=batch_size, progress=progress, label=f"[head] {label}:",
+                                                **self.pool)
         progress(f"[head] {label}: {len(examples)}/{len(examples)} on {self.pool['actors']} Ray actor(s) "
                  f"({len(examples) / max(time.time() - t0, 1e-9):.1f} examples/s)")
         return token, x
