@@ -130,7 +130,7 @@ def recipe_split(data: str | Path, split: str) -> list:
 
     if not Path(data).is_dir():
         raise SystemExit(f"--data {data}: no data-job output there; make the recipe's with "
-                         "`clarifier train --recipe joint-public --prepare --no-train` or pass another")
+                         "`clarifier data prepare -c platform/clarifier/recipes/configs/joint-public.yaml` or pass another")
     return load_split(str(data), split)
 
 

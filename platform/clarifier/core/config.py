@@ -247,11 +247,12 @@ class ModelConfig(_Strict):
                             "Training keeps fp32 master weights, optimizer state and loss.")
     decode: Literal["auto", "fast", "fast-bf16", "generate"] = Field(
         "auto", description="How evaluation decodes a question: fast = the engine's fast path (static KV cache, fused "
-                            "weights; exactly the tokens of transformers' generate), for the Llama family on CPU; "
-                            "fast-bf16 = that path with bf16 decode weights (half the bytes read per token; the "
-                            "decision keeps model.precision; 90% of questions identical, see the decode-speed results); "
-                            "auto = fast-bf16 where the model computes in fp32, fast where in bf16, generate where the "
-                            "architecture has no fast path; generate = transformers' generate.")
+                            "weights, one request at a time drafts copied from the prompt checked several per step; "
+                            "the tokens of transformers' generate), for the Llama family on CPU; fast-bf16 = that path "
+                            "with bf16 decode weights and no drafts (half the bytes read per token; the decision keeps "
+                            "model.precision; not every question identical, see the decode-speed results); "
+                            "auto = fast, or generate where the architecture has no fast path; generate = transformers' "
+                            "generate.")
 
     def prompt_options(self) -> PromptOptions:
         """The prompt renderer's options this model config trains and scores with."""
@@ -551,7 +552,7 @@ class ServeConfig(_Strict):
                             "it natively, else fp32 (the decision probability is computed in fp32 either way).")
     decode: Literal["auto", "fast", "fast-bf16", "generate"] = Field(
         "auto", description="How the replicas decode a question: auto | fast | fast-bf16 | generate, as model.decode "
-                            "(auto: the fast path, with bf16 decode weights where the replica computes in fp32).")
+                            "(auto: the fast path where the architecture has it).")
     autoscaling: ServeAutoscalingConfig = ServeAutoscalingConfig()
     max_ongoing_requests: int = Field(8, ge=1, description="Per model replica; raised to max_batch_size if lower.")
     max_queued_requests: int | None = Field(

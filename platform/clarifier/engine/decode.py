@@ -10,6 +10,10 @@ criteria). :class:`FastDecoder` decodes with
   keeps every row at the same column, as ``generate`` does). Without a cache the prompt goes through the model's own
   forward first (a large matrix product, where the model's kernels are the right ones);
 * **fused weights**: q/k/v in one matrix and gate/up in one, so a layer is five matrix-vector products;
+* **drafts checked several per step** (``lookup``, one request at a time): tokens copied from the prompt, the
+  target's fixed words or the decoder's last answers after the n-gram that ends the answer so far; one step computes
+  the logits after each, and greedy keeps the drafts it would have picked, then its own next token (prompt lookup
+  decoding). A step of several tokens reads the weights once, like a step of one;
 * **decode weights in their own dtype** (``weights="bf16"``): a step reads every weight once, so bf16 halves the bytes
   even on a CPU without bf16 arithmetic. Only the products read bf16; norms, rotary embedding, attention over the
   cache and the residual stream stay in the model's dtype, and the decision pass keeps the model's precision (its
@@ -23,6 +27,7 @@ and every caller keep working; in the model's own dtype the tokens match ``gener
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,10 +82,14 @@ class FastDecoder:
     """Greedy decoding of a Llama-family ``model`` (LoRA merged) with a static cache and fused weights.
 
     ``weights``: ``"model"`` (the model's dtype; the tokens match ``generate``) or ``"bf16"`` (a bf16 copy of the
-    decoder's weights for decoding only; half the bytes read per token).
+    decoder's weights for decoding only; half the bytes read per token). ``lookup``: drafts checked per step
+    (:class:`_Lookup`; 0: one token per step), drafted from the prompt, the ``hints`` and the decoder's last
+    ``RECENT`` answers.
     """
 
-    def __init__(self, model, weights: str = "model"):
+    RECENT = 8
+
+    def __init__(self, model, weights: str = "model", lookup: int = 0):
         import torch
 
         why = supports(model)
@@ -88,7 +97,11 @@ class FastDecoder:
             raise ValueError(f"FastDecoder cannot decode this model: {why}")
         if weights not in ("model", "bf16"):
             raise ValueError(f"weights must be 'model' or 'bf16', not {weights!r}")
+        if lookup < 0:
+            raise ValueError(f"lookup must be 0 (off) or the drafts checked per step, not {lookup}")
         self.model = model
+        self.lookup = lookup
+        self._recent: deque[list[int]] = deque(maxlen=self.RECENT)  # the last answers' ids: drafts for the next
         cfg = model.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
@@ -119,6 +132,10 @@ class FastDecoder:
         self.q_dim = self.n_heads * self.head_dim
         self.kv_dim = self.n_kv * self.head_dim
         self.inter = self.layers[0].gate_up.shape[0] // 2 if self.layers else 0
+
+    def _remember(self, new_ids, eos: int | None) -> None:
+        for ids in new_ids.tolist():
+            self._recent.append(ids[: ids.index(eos) + 1] if eos in ids else ids)
 
     def _fuse(self, layer, w, norm) -> _Layer:
         """One layer's weights for decoding; in the model's dtype the model's own projections become views of the
@@ -164,9 +181,10 @@ class FastDecoder:
             return F.linear(x, weight)
         return F.linear(x.to(weight.dtype), weight).to(x.dtype)
 
-    def _step(self, tokens, positions, keys, values, col: int, mask):
-        """Logits (float32, [batch, vocab]) after ``tokens`` [batch, n] written at cache columns ``col..col+n``;
-        ``mask`` [batch, 1, n, col + n]: which columns each new token attends to."""
+    def _step(self, tokens, positions, keys, values, col: int, mask, every: bool = False):
+        """Logits (float32) after ``tokens`` [batch, n] written at cache columns ``col..col+n``: [batch, vocab] after
+        the last token, or [batch, n, vocab] after each (``every``); ``mask`` [batch, 1, n, col + n]: which columns
+        each new token attends to."""
         import torch
         import torch.nn.functional as F
 
@@ -193,7 +211,7 @@ class FastDecoder:
             h = F.rms_norm(x, (x.shape[-1],), L.norm2, self.eps)
             gu = lin(h, L.gate_up)
             x = x + lin(F.silu(gu[..., : self.inter]) * gu[..., self.inter:], L.down)
-        x = F.rms_norm(x[:, -1], (x.shape[-1],), self.norm, self.eps)
+        x = F.rms_norm(x if every else x[:, -1], (x.shape[-1],), self.norm, self.eps)
         return lin(x, self.lm_head).float()
 
     # ---- greedy loop ---------------------------------------------------------------------------------
@@ -214,11 +232,14 @@ class FastDecoder:
         return keys, values
 
     def generate(self, input_ids, attention_mask, *, past_key_values=None, max_new_tokens: int,
-                 eos_token_id: int | None, pad_token_id: int | None, logits_processor=None):
+                 eos_token_id: int | None, pad_token_id: int | None, logits_processor=None,
+                 hints: list[int] | None = None):
         """``model.generate(..., do_sample=False)``'s output for left-padded ``input_ids``: prompt + new ids.
 
         ``past_key_values``: a cache holding the first ``n`` columns of ``input_ids`` (the decision pass's); the
-        rest are encoded in one step of this decoder. Without it the prompt goes through the model's own forward."""
+        rest are encoded in one step of this decoder. Without it the prompt goes through the model's own forward.
+        ``hints``: token ids the drafts may also be copied from (with ``lookup``; the engine passes the target's
+        skeleton)."""
         import torch
 
         model = self.model
@@ -234,7 +255,7 @@ class FastDecoder:
                 out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                             use_cache=True, logits_to_keep=1)
                 keys, values = self._static(out.past_key_values, b, room)
-                logits = out.logits[:, -1, :].float()
+                logits = out.logits[:, -1:, :].float()
                 del out
             else:  # the decision pass's cache, then the tokens after it (`` clarify\n``) in one step
                 keys, values = self._static(past_key_values, b, room)
@@ -242,33 +263,107 @@ class FastDecoder:
                 causal = torch.ones((n, n), dtype=torch.bool).tril()
                 mask = row[:, None, None, :length].expand(b, 1, n, length).clone()
                 mask[:, :, :, done:] &= causal
-                logits = self._step(input_ids[:, done:], positions[:, done:], keys, values, done, mask)
+                logits = self._step(input_ids[:, done:], positions[:, done:], keys, values, done, mask)[:, None]
             seq = input_ids
             unfinished = torch.ones(b, dtype=torch.bool)
-            next_pos = positions[:, -1:] + 1
-            for step in range(max_new_tokens):
-                if logits_processor is not None:
-                    logits = logits_processor(seq, logits)
-                nxt = logits.argmax(-1)
-                if eos_token_id is not None:
-                    nxt = torch.where(unfinished, nxt, torch.full_like(nxt, pad))
-                seq = torch.cat([seq, nxt[:, None]], dim=1)
-                if eos_token_id is not None:
-                    unfinished &= nxt != eos_token_id
-                if not bool(unfinished.any()) or step == max_new_tokens - 1:
-                    break
-                col = length + step
-                row[:, col] = True
-                logits = self._step(nxt[:, None], next_pos, keys, values, col, row[:, None, None, : col + 1])
-                next_pos = next_pos + 1
-        return seq
+            col, pos = length, positions[:, -1:] + 1  # the cache column and position of the next token written
+            drafts = seq.new_zeros((b, 0))
+            recent = tuple(self._recent)  # a snapshot: a replica's other thread may add to it
+            lookup = _Lookup(self.lookup, list(hints or []) + [t for ids in recent for t in ids]) \
+                if self.lookup else None
+            while True:
+                # logits [b, 1 + drafts, vocab]: after the last token written and after each draft. Greedy picks one
+                # token per column; a draft is kept while it is the token greedy picks, for every row still going.
+                for kept in range(logits.shape[1]):
+                    scores = logits[:, kept]
+                    if logits_processor is not None:
+                        scores = logits_processor(seq, scores)
+                    nxt = scores.argmax(-1)
+                    if eos_token_id is not None:
+                        nxt = torch.where(unfinished, nxt, torch.full_like(nxt, pad))
+                    seq = torch.cat([seq, nxt[:, None]], dim=1)
+                    if eos_token_id is not None:
+                        unfinished &= nxt != eos_token_id
+                    if not bool(unfinished.any()) or seq.shape[1] - length == max_new_tokens:
+                        if self.lookup:
+                            self._remember(seq[:, length:], eos_token_id)
+                        return seq
+                    if kept == drafts.shape[1] or bool((nxt != drafts[:, kept])[unfinished].any()):
+                        break
+                if drafts.shape[1]:  # the last step wrote its token and drafts from ``col - 1``: drop those not kept
+                    row[:, col + kept: col + drafts.shape[1]] = False
+                    col, pos = col + kept, pos + kept
+                left = max_new_tokens - (seq.shape[1] - length) - 1  # drafts this step may check
+                drafts = lookup.drafts(seq, unfinished, left) if lookup is not None and left > 0 else drafts[:, :0]
+                tokens = torch.cat([seq[:, -1:], drafts], dim=1)
+                n = tokens.shape[1]
+                row[:, col: col + n] = True
+                mask = row[:, None, None, : col + n]
+                if n > 1:
+                    mask = mask.expand(b, 1, n, col + n).clone()
+                    mask[:, :, :, col:] &= torch.ones((n, n), dtype=torch.bool).tril()
+                logits = self._step(tokens, pos + torch.arange(n), keys, values, col, mask, every=True)
+                col, pos = col + 1, pos + 1
 
 
-#: ``auto``: the fast path where the architecture has it (bf16 decode weights where the model computes in float32: a
-#: step reads every weight once, and bf16 halves the bytes; the decision keeps float32), else ``generate``; ``fast``:
-#: that path in the model's dtype (``generate``'s tokens exactly) or an error; ``fast-bf16``: that path with bf16
-#: decode weights or an error; ``generate``: transformers' ``generate``.
+class _Lookup:
+    """Draft tokens for one decode step by prompt lookup: the longest n-gram (``NGRAM`` down to 1 tokens) that ends
+    a row's sequence, found earlier in that row (its prompt and what it generated, newest first) or in the hints,
+    proposes the tokens that followed it there. One step then checks up to ``k`` drafts at once; greedy keeps those
+    it would have picked, so the tokens are the same as one per step. On a CPU a step of a few tokens costs little
+    more than one token's (the weights are read once), and a clarifying question copies much from its conversation
+    and passages; the target's fixed words and the model's habits come from the hints."""
+
+    NGRAM = 3
+    ROWS = 1
+
+    def __init__(self, k: int, hints: list[int] | None):
+        self.k = k
+        self.hints = list(hints or [])
+
+    @staticmethod
+    def _after(ctx: list[int], suffix: list[int], k: int, skip_end: bool) -> list[int]:
+        n = len(suffix)
+        for s in range(len(ctx) - n - (1 if skip_end else 0), -1, -1):
+            if ctx[s: s + n] == suffix:
+                follow = ctx[s + n: s + n + k]
+                if follow:
+                    return follow
+        return []
+
+    def row(self, ids: list[int], k: int) -> list[int]:
+        """Drafts for one row: up to ``k`` after a match of ``NGRAM`` tokens, fewer after a shorter one (a shorter
+        match is more often wrong, and a wider step costs more: k/2 after 2 tokens, k/4 after 1)."""
+        for n in range(min(self.NGRAM, len(ids)), 0, -1):
+            suffix = ids[-n:]
+            most = max(1, k >> (self.NGRAM - n))
+            found = self._after(ids, suffix, most, True) or self._after(self.hints, suffix, most, False)
+            if found:
+                return found
+        return []
+
+    def drafts(self, seq, unfinished, left: int):
+        """[batch, w] drafts (w <= min(k, left)); rows without one, or finished, are padded with their last token
+        (checked like any draft, so only a row's own greedy token is ever kept)."""
+        import torch
+
+        k = min(self.k, left)
+        if seq.shape[0] > self.ROWS:  # a batch's step costs its rows x (1 + drafts), and keeps its worst row's
+            return seq[:, :0]
+        found = [self.row(ids, k) if go else [] for ids, go in zip(seq.tolist(), unfinished.tolist())]
+        w = max(map(len, found))
+        last = seq[:, -1].tolist()
+        return torch.tensor([f + [t] * (w - len(f)) for f, t in zip(found, last)], dtype=seq.dtype)
+
+
+#: ``auto``: the fast path where the architecture has it (in the model's dtype, with prompt-lookup drafts), else
+#: ``generate``; ``fast``: that path (``generate``'s tokens) or an error; ``fast-bf16``: that path with bf16 decode
+#: weights (half the bytes read per token; on a CPU without bf16 arithmetic a step of several tokens is slow, so it
+#: checks no drafts) or an error; ``generate``: transformers' ``generate``.
 DECODE_MODES = ("auto", "fast", "fast-bf16", "generate")
+#: Drafts a ``fast`` step checks at most (one request at a time). 6, 8 and 12 were alike on Abg-CoQA turns by hand;
+#: ``benchmarks/engine/bench_decode.py`` measures 8 against none.
+LOOKUP = 8
 
 
 def resolve_decode(model, mode: str = "auto") -> str:
@@ -284,14 +379,12 @@ def resolve_decode(model, mode: str = "auto") -> str:
             log.debug("decoding with generate: %s", why)
             return "generate"
         raise ValueError(f"decode={mode!r} is not available for this model: {why}; use decode=generate")
-    import torch
-
-    if mode == "auto":
-        return "fast-bf16" if next(model.parameters()).dtype == torch.float32 else "fast"
-    return mode
+    return "fast" if mode == "auto" else mode
 
 
 def make_decoder(model, mode: str = "auto") -> FastDecoder | None:
     """The engine's decoder for ``mode`` (:data:`DECODE_MODES`); ``None`` means ``model.generate``."""
     path = resolve_decode(model, mode)
-    return None if path == "generate" else FastDecoder(model, weights="bf16" if path == "fast-bf16" else "model")
+    if path == "generate":
+        return None
+    return FastDecoder(model, weights="bf16", lookup=0) if path == "fast-bf16" else FastDecoder(model, lookup=LOOKUP)

@@ -37,7 +37,15 @@ from clarifier.engine.models import ModelResolutionError, load_causal_lm, load_t
 from clarifier.engine.precision import place, resolve_precision, torch_dtype
 from clarifier.core.prompt import PromptOptions, first_shown_turn, length_order, render_prompt
 from clarifier.core.schema import ClarifyRequest, ClarifyResponse, Grounding, Usage
-from clarifier.core.target import ANSWER, CLARIFY, DECISION_PREFIX, try_parse_target
+from clarifier.core.target import (
+    ANSWER,
+    CLARIFY,
+    DECISION_PREFIX,
+    GROUNDING_HEAD,
+    PASSAGES_SEP,
+    QUESTION_HEAD,
+    try_parse_target,
+)
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +224,13 @@ class ClarifierEngine:
         fused or bf16 weights."""
         return make_decoder(self.model, self.decode_path)
 
+    @functools.cached_property
+    def _draft_hints(self) -> list[int]:
+        """The target's fixed words, for the decoder's drafts (``decode._Lookup``): the grounding line and the
+        question's head follow the decision line in every question decoded."""
+        text = f"{DECISION_PREFIX} {CLARIFY}\n{GROUNDING_HEAD}none{PASSAGES_SEP}none\n{QUESTION_HEAD}"
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
     @property
     def precision(self) -> str:
         """``bf16`` or ``fp32``: the dtype the model computes in."""
@@ -389,7 +404,7 @@ class ClarifierEngine:
         kw = dict(past_key_values=cache, max_new_tokens=self.max_new_tokens, eos_token_id=self.tok.eos_token_id,
                   pad_token_id=self.tok.pad_token_id, logits_processor=self._target_constraint(enc, items))
         if self.decoder is not None:
-            out = self.decoder.generate(enc["input_ids"], enc["attention_mask"], **kw)
+            out = self.decoder.generate(enc["input_ids"], enc["attention_mask"], hints=self._draft_hints, **kw)
         else:
             with self._torch.inference_mode():
                 out = self.model.generate(**enc, do_sample=False, **kw)
