@@ -113,11 +113,16 @@ def decode_ms(engine, items, new: int, repeats: int) -> float:
     return _median(per)
 
 
-def _fresh(engine, warm) -> None:
-    """The decoder's recent answers (drafts for the next) emptied, then filled by ``warm``: other turns, so no request
-    timed finds its own answer there."""
+def _forget(engine) -> None:
+    """The decoder's recent answers (drafts for the next) emptied."""
     if engine.decoder is not None:
         engine.decoder._recent.clear()
+
+
+def _fresh(engine, warm) -> None:
+    """The decoder's recent answers emptied, then filled by ``warm``: other turns, so no request timed finds its own
+    answer there."""
+    _forget(engine)
     engine.clarify(warm, threshold=0.0)
 
 
@@ -243,7 +248,7 @@ def agreement(engines: dict, reqs) -> dict:
     """Question texts and decisions of each decode path against ``generate``'s, one request at a time (as served at
     concurrency 1, where ``fast`` checks drafts), at threshold 0 and the model's."""
     def answers(engine):
-        engine.decoder and engine.decoder._recent.clear()
+        _forget(engine)
         return [engine.clarify([r], threshold=0.0)[0].model_dump() for r in reqs]
 
     ref = answers(engines["generate"])

@@ -268,9 +268,10 @@ class FastDecoder:
             unfinished = torch.ones(b, dtype=torch.bool)
             col, pos = length, positions[:, -1:] + 1  # the cache column and position of the next token written
             drafts = seq.new_zeros((b, 0))
-            recent = tuple(self._recent)  # a snapshot: a replica's other thread may add to it
-            lookup = _Lookup(self.lookup, list(hints or []) + [t for ids in recent for t in ids]) \
-                if self.lookup else None
+            lookup = None
+            if self.lookup and b <= _Lookup.ROWS:  # a batch's step costs its rows x (1 + drafts), keeps its worst row's
+                recent = tuple(self._recent)  # a snapshot: a replica's other thread may add to it
+                lookup = _Lookup(self.lookup, list(hints or []) + [t for ids in recent for t in ids])
             while True:
                 # logits [b, 1 + drafts, vocab]: after the last token written and after each draft. Greedy picks one
                 # token per column; a draft is kept while it is the token greedy picks, for every row still going.
@@ -319,7 +320,7 @@ class _Lookup:
 
     def __init__(self, k: int, hints: list[int] | None):
         self.k = k
-        self.hints = list(hints or [])
+        self.hints = hints or []
 
     @staticmethod
     def _after(ctx: list[int], suffix: list[int], k: int, skip_end: bool) -> list[int]:
@@ -348,8 +349,6 @@ class _Lookup:
         import torch
 
         k = min(self.k, left)
-        if seq.shape[0] > self.ROWS:  # a batch's step costs its rows x (1 + drafts), and keeps its worst row's
-            return seq[:, :0]
         found = [self.row(ids, k) if go else [] for ids, go in zip(seq.tolist(), unfinished.tolist())]
         w = max(map(len, found))
         last = seq[:, -1].tolist()

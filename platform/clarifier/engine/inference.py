@@ -41,9 +41,9 @@ from clarifier.core.target import (
     ANSWER,
     CLARIFY,
     DECISION_PREFIX,
-    GROUNDING_HEAD,
-    PASSAGES_SEP,
     QUESTION_HEAD,
+    JointTarget,
+    render_segments,
     try_parse_target,
 )
 
@@ -228,7 +228,8 @@ class ClarifierEngine:
     def _draft_hints(self) -> list[int]:
         """The target's fixed words, for the decoder's drafts (``decode._Lookup``): the grounding line and the
         question's head follow the decision line in every question decoded."""
-        text = f"{DECISION_PREFIX} {CLARIFY}\n{GROUNDING_HEAD}none{PASSAGES_SEP}none\n{QUESTION_HEAD}"
+        pieces = render_segments(JointTarget(needs_clarification=True, question="?"))
+        text = "".join(t for seg, t in pieces if seg != "question") + QUESTION_HEAD  # grounding: none, none
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     @property
