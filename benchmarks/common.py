@@ -134,6 +134,38 @@ def recipe_split(data: str | Path, split: str) -> list:
     return load_split(str(data), split)
 
 
+def engine_turn_options(ap, turns: int) -> None:
+    """The options of the engine benchmarks that time a model on a seeded sample of a data-job output's turns."""
+    root = Path(__file__).resolve().parents[1]
+    ap.add_argument("--model", default="builtin:clarifier-smollm2-135m")
+    ap.add_argument("--data", default=str(root / ".clarifier" / "recipes" / "joint-public" / "data"),
+                    help="a data-job output (the recipe's: clarifier data prepare -c platform/clarifier/recipes/configs/joint-public.yaml)")
+    ap.add_argument("--split", default="dev")
+    ap.add_argument("--turns", type=int, default=turns)
+    ap.add_argument("--batch-size", type=int, default=8, help="eval.batch_size / audit.batch_size (default 8)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+
+
+def sampled_turns(args) -> list:
+    """``args.turns`` Examples of ``args.split`` of ``args.data``, sampled with ``args.seed`` (:func:`engine_turn_options`)."""
+    import random
+
+    pool = recipe_split(args.data, args.split)
+    if len(pool) < args.turns:
+        raise SystemExit(f"--data {args.data}: {len(pool)} {args.split} turns, fewer than --turns {args.turns}")
+    return random.Random(args.seed).sample(pool, args.turns)
+
+
+def timed(fn):
+    """``(seconds, fn())``."""
+    t = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t, result
+
+
 def code_version() -> str:
     """The commit the benchmark ran (``+changes`` when the work tree differed from it)."""
     import subprocess

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import random
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import cpu_info, recipe_split, result_file, write_result  # noqa: E402
+from common import cpu_info, engine_turn_options, result_file, sampled_turns, timed, write_result  # noqa: E402
 
 ORDERS = ("given", "length")
 
@@ -46,17 +44,8 @@ def padded_per_real(engine, examples, batches) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="builtin:clarifier-smollm2-135m")
-    ap.add_argument("--data", default=str(ROOT / ".clarifier" / "recipes" / "joint-public" / "data"),
-                    help="a data-job output (the recipe's: clarifier data prepare -c platform/clarifier/recipes/configs/joint-public.yaml)")
-    ap.add_argument("--split", default="dev")
-    ap.add_argument("--turns", type=int, default=192)
+    engine_turn_options(ap, turns=192)
     ap.add_argument("--predict-turns", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=8, help="eval.batch_size / audit.batch_size (default 8)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out = result_file(f"engine-batch-order-{dt.date.today().isoformat()}", args.out)
 
@@ -66,20 +55,12 @@ def main() -> None:
     from clarifier.core.schema import source_of
     from clarifier.engine.loading import load_engine
 
-    pool = recipe_split(args.data, args.split)
-    if len(pool) < args.turns:
-        raise SystemExit(f"--data {args.data}: {len(pool)} {args.split} turns, fewer than --turns {args.turns}")
-    examples = random.Random(args.seed).sample(pool, args.turns)
+    examples = sampled_turns(args)
     torch.set_num_threads(args.threads)
     engine = load_engine(args.model)
     print(f"[bench] {len(examples)} {args.split} turns of {sorted({source_of(e) for e in examples})}; "
           f"{engine.precision}, {args.threads} threads, batch {args.batch_size}", flush=True)
     engine.score_examples(examples[: args.batch_size], args.batch_size)  # warm-up
-
-    def timed(fn):
-        t = time.perf_counter()
-        result = fn()
-        return time.perf_counter() - t, result
 
     score = {o: {"seconds": [], "padded_per_real": padded_per_real(engine, examples, engine.batches(
         examples, args.batch_size, o))} for o in ORDERS}

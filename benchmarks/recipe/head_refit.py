@@ -12,13 +12,16 @@
     #   --head v3.2=last+mean:all:4 --head v3.3=last+mean:all:4:1 --c-grid 1e-4,3e-4,1e-3,3e-3,1e-2,3e-2,0.1
     # passages focused on the conversation (model.passage_focus; the saved model records it):
     #   --head v3.2=last+mean:all:4 --head focus=last+mean:all:4+focus
+    # heads on the first half of the layers only (the decision pass could stop there): states of more layers, each
+    # head reading some of them:  --layers 4,8,12,15,22,30 --head v3.2=last+mean/8,15,22,30:all
+    #   --head half=last+mean/4,8,12,15:all
 
 The decision head (:mod:`clarifier.engine.decision_head`) is a logistic regression on hidden states of four
 layers; the recipe (`train.decision_head`) fits it on up to ``max_per_source`` train turns per source (half
 needing a question), source- and class-balanced, its strength chosen on the dev split. This script computes
 the model's states once (every train turn, the dev split, the whole test split; at the last position and
 averaged over the prompt; once per prompt variant the heads name: history window, passage focus) and fits every
-``--head NAME=POOLING:MAX_PER_SOURCE[:WINDOW[+focus][:CLIP]]`` with that same procedure
+``--head NAME=POOLING[/LAYERS]:MAX_PER_SOURCE[:WINDOW[+focus][:CLIP]]`` with that same procedure
 (:func:`clarifier.train.decision_head.fit_on_features`); the first head is the reference. Only then are the
 test turns scored: on the recipe benchmark's evaluation set (the seeded test sample of ``joint-public``: 100
 turns per source, 30% needing a question; fingerprint recorded) and on the whole test split, each with the
@@ -41,15 +44,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import KeptStates, result_file, write_result  # noqa: E402
 
 
-def parse_head(spec: str) -> tuple[str, list[str], int | None, tuple[int | None, bool], float | None]:
-    """``NAME=POOLING:MAX_PER_SOURCE[:WINDOW[+focus][:CLIP]]`` (``v3.3=last+mean:all:4:1``) -> ``(name, pooling,
-    cap or None, (window or None, focus), clip or None)``; WINDOW: the prompt shows the latest WINDOW history turns
+def parse_head(spec: str) -> tuple[str, list[str], int | None, tuple[int | None, bool], float | None, list[int] | None]:
+    """``NAME=POOLING[/LAYERS]:MAX_PER_SOURCE[:WINDOW[+focus][:CLIP]]`` (``v3.3=last+mean:all:4:1``) -> ``(name,
+    pooling, cap or None, (window or None, focus), clip or None, layers or None)``; LAYERS: comma-separated hidden-state
+    indexes, some of ``--layers`` (without: all of them); WINDOW: the prompt shows the latest WINDOW history turns
     (``model.max_history_turns``; ``all``: the model's own prompt); ``+focus``: long passages show the sentences
     the conversation is about (``model.passage_focus``; without it: the model's own setting); CLIP: standardised
     features limited to [-CLIP, CLIP] (``train.decision_head.clip``)."""
     try:
         name, rest = spec.split("=", 1)
         pooling, cap, *more = rest.split(":")
+        pooling, _, head_layers = pooling.partition("/")
+        head_layers = sorted({int(i) for i in head_layers.split(",")}) if head_layers else None
         if len(more) > 2:
             raise ValueError(spec)
         window, clip = more + ["all", "none"][len(more):]
@@ -60,19 +66,23 @@ def parse_head(spec: str) -> tuple[str, list[str], int | None, tuple[int | None,
         if clip is not None and not clip > 0:
             raise ValueError(spec)
         return (name, pooling.split("+"), None if cap == "all" else int(cap),
-                (None if window == "all" else int(window), bool(flags)), clip)
+                (None if window == "all" else int(window), bool(flags)), clip, head_layers)
     except ValueError:
-        raise SystemExit(f"--head {spec!r}: expected NAME=POOLING:MAX_PER_SOURCE[:WINDOW[+focus][:CLIP]], e.g. "
-                         "v3.1=last+mean:all, v3.2=last+mean:all:4, v3.3=last+mean:all:4:1 or "
-                         "focus=last+mean:all:4+focus") from None
+        raise SystemExit(f"--head {spec!r}: expected NAME=POOLING[/LAYERS]:MAX_PER_SOURCE[:WINDOW[+focus][:CLIP]], "
+                         "e.g. v3.1=last+mean:all, v3.2=last+mean:all:4, v3.3=last+mean:all:4:1, "
+                         "focus=last+mean:all:4+focus or half=last+mean/4,8,12,15:all") from None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="the recipe benchmark's data-job output (train, dev and test splits)")
     ap.add_argument("--model", default="builtin:clarifier-smollm2-135m")
+    ap.add_argument("--layers", default=None,
+                    help="comma-separated hidden-state indexes whose states are computed (default: the recipe's "
+                         "train.decision_head.layers for this model); a head reads all of them or those after its /")
     ap.add_argument("--head", action="append", default=None,
-                    help="NAME=POOLING:MAX_PER_SOURCE[:WINDOW[+focus][:CLIP]] (POOLING last, mean or last+mean; "
+                    help="NAME=POOLING[/LAYERS]:MAX_PER_SOURCE[:WINDOW[+focus][:CLIP]] (POOLING last, mean or last+mean; "
+                         "LAYERS: some of --layers, comma-separated; "
                          "MAX_PER_SOURCE a number or all; WINDOW: the prompt shows only the latest WINDOW history turns, "
                          "all (default): the model's own; +focus: long passages show the sentences the conversation is "
                          "about (model.passage_focus); CLIP: standardised features limited to [-CLIP, CLIP], none (default): no "
@@ -117,19 +127,25 @@ def main() -> None:
     t0 = time.time()
     cfg = DecisionHeadConfig(**({} if args.c_grid is None else
                                  {"c_grid": [float(c) for c in args.c_grid.split(",") if c.strip()]}))
-    for _, pooling, _, _, _ in heads:
+    for _, pooling, _, _, _, _ in heads:
         check_pooling(pooling)
     splits = {name: load_split(args.data, name) for name in ("train", "dev") + (() if args.dev_only else ("test",))}
     eval_set = [] if args.dev_only else sample_by_source(splits["test"], args.eval_per_source, args.seed,
                                                           args.eval_clarify_share)
     engine = load_engine(args.model, decision_head=False)
     own_opts = engine.opts
-    layers = resolve_layers(cfg.layers, engine.model.config.num_hidden_layers)
+    n_layers = engine.model.config.num_hidden_layers
+    layers = (resolve_layers(cfg.layers, n_layers) if args.layers is None else
+              sorted({int(i) for i in args.layers.split(",") if i.strip()}))
+    if not layers or not all(1 <= i <= n_layers for i in layers):
+        raise SystemExit(f"--layers {args.layers}: hidden-state indexes from 1 to {n_layers}")
+    for head_name, *_, head_layers in heads:
+        if head_layers and not set(head_layers) <= set(layers):
+            raise SystemExit(f"--head {head_name}: layers {head_layers} are not all among the computed {layers} (--layers)")
     print(f"[refit] {args.model} ({engine.precision}), layers {layers}: {len(splits['train'])} train, "
           f"{len(splits['dev'])} dev turns" + ("; dev only, the test split is not read" if args.dev_only else
                                                 f", {len(splits['test'])} test turns; evaluation set {len(eval_set)} "
                                                 f"(fingerprint {fingerprint_examples(eval_set)[:12]})"), flush=True)
-    dim = len(layers) * engine.model.config.hidden_size  # the engine's features: every layer's last, then mean
     # keys: the split's name ("train"; the whole history) or "train@w4" (a window of 4 history turns), "train@w4+focus"
     kept = KeptStates(args.features)
     cached = kept.kept  # states a previous run of the same data computed
@@ -144,10 +160,12 @@ def main() -> None:
                        passage_focus=own_opts.passage_focus or focus)
 
     def states(name, variant=(None, False)):
-        opts = prompt_of(variant)  # the key names the prompt it was rendered with
+        opts = prompt_of(variant)  # the key names the prompt it was rendered with, and other layers than the default
         window, focus = opts.max_history_turns, opts.passage_focus
         key = name if window is None and not focus else (
             f"{name}@" + ("" if window is None else f"w{window}") + ("+focus" if focus else ""))
+        if args.layers is not None:
+            key += "@L" + "-".join(map(str, layers))
 
         def compute(rows):
             engine.opts = opts
@@ -159,23 +177,28 @@ def main() -> None:
 
         return kept.get(key, splits[name], compute, f"{args.data}'s {name} split")
 
-    def columns(x, pooling):
-        return np.hstack([x[:, :dim] if p == "last" else x[:, dim:] for p in pooling])
+    hidden = engine.model.config.hidden_size
+
+    def columns(x, pooling, head_layers=None):  # the engine's layout: every layer's last, then every layer's mean
+        blocks = [(0 if p == "last" else len(layers)) + layers.index(i) for p in pooling for i in (head_layers or layers)]
+        return np.hstack([x[:, b * hidden:(b + 1) * hidden] for b in blocks])
 
     row_of = {name: {e.id: i for i, e in enumerate(rows)} for name, rows in splits.items()}
     fits = {}
-    for head_name, pooling, cap, variant, clip in heads:  # every head is fixed before the test split is read
+    for head_name, pooling, cap, variant, clip, head_layers in heads:  # every head is fixed before the test split is read
         train = splits["train"] if cap is None else sample_by_source(splits["train"], cap, args.seed, clarify_share=0.5)
-        x_train = columns(states("train", variant)[[row_of["train"][e.id] for e in train]], pooling)
-        fit = fit_on_features(x_train, train, columns(states("dev", variant), pooling), splits["dev"], cfg.c_grid, clip)
-        fits[head_name] = {**fit, "pooling": pooling, "n_train": len(train), "variant": variant}
-        shown = ("" if variant[0] is None else f", latest {variant[0]} history turns") + (
+        x_train = columns(states("train", variant)[[row_of["train"][e.id] for e in train]], pooling, head_layers)
+        fit = fit_on_features(x_train, train, columns(states("dev", variant), pooling, head_layers), splits["dev"],
+                              cfg.c_grid, clip)
+        fits[head_name] = {**fit, "pooling": pooling, "n_train": len(train), "variant": variant,
+                           "layers": head_layers or layers}
+        shown = f", layers {head_layers or layers}" + ("" if variant[0] is None else f", latest {variant[0]} history turns") + (
             ", passages focused" if variant[1] else "") + ("" if clip is None else f", clipped at {clip:g} sd")
         print(f"[refit] {head_name} ({'+'.join(pooling)}, {len(train)} train turns{shown}): C={fit['c']:g}, "
               f"dev within-source AUROC {fit['dev_macro_auroc']:.3f}", flush=True)
 
     def described(fit) -> dict:  # what the result records of a head
-        return {"pooling": fit["pooling"], "n_train": fit["n_train"], "c": fit["c"], "max_history_turns": fit["variant"][0],
+        return {"pooling": fit["pooling"], "layers": fit["layers"], "n_train": fit["n_train"], "c": fit["c"], "max_history_turns": fit["variant"][0],
                 "passage_focus": fit["variant"][1], "clip": fit["clip"], "dev_macro_auroc": round(fit["dev_macro_auroc"], 4),
                 "tried": fit["tried"]}
 
@@ -207,7 +230,7 @@ def main() -> None:
         systems[set_name] = {}
         for head_name, fit in fits.items():
             x = states("test", fit["variant"])[[row_of["test"][e.id] for e in rows]]
-            scores = [float(v) for v in head_scores(fit, columns(x, fit["pooling"]))]
+            scores = [float(v) for v in head_scores(fit, columns(x, fit["pooling"], fit["layers"]))]
             systems[set_name][head_name] = ([s >= 0.5 for s in scores], scores)
             summary = within_source_summary(gold, scores, src)
             results.setdefault(head_name, described(fit))
@@ -226,7 +249,7 @@ def main() -> None:
     saved = None
     if args.save_model:
         head_name = heads[-1][0]
-        saved = save_model(args, engine, fits[head_name], layers, cfg, splits, eval_set, head_name)
+        saved = save_model(args, engine, fits[head_name], fits[head_name]["layers"], cfg, splits, eval_set, head_name)
     path = write_result("recipe-head-refit", {
         "data": args.data, "model": args.model, "precision": engine.precision, "layers": layers,
         "heads": results, "reference": reference, "n": {k: len(v) for k, v in splits.items()},
@@ -263,7 +286,7 @@ def save_model(args, engine, fit, layers, cfg, splits, eval_set, head_name) -> d
     prompt = {**(meta.prompt or {}), **({} if window is None else {"max_history_turns": window}),
               **({"passage_focus": True} if focus else {})}
     write_meta(dst, replace(meta, prompt=prompt, decision_head={
-        "layers": layers, "layer_fractions": list(cfg.layers), "pooling": fit["pooling"], "clip": fit["clip"], "c": fit["c"],
+        "layers": layers, "layer_fractions": [round(i / engine.model.config.num_hidden_layers, 4) for i in layers], "pooling": fit["pooling"], "clip": fit["clip"], "c": fit["c"],
         "n_train": fit["n_train"], "n_dev": len(splits["dev"]), "dev_macro_auroc": fit["dev_macro_auroc"],
         # the same model's decision tokens on the same dev split: unchanged by a refit
         "dev_macro_auroc_token": (meta.decision_head or {}).get("dev_macro_auroc_token"),

@@ -283,3 +283,63 @@ def test_engine_batches_neighbours_by_length_and_returns_every_result_in_the_giv
     assert np.allclose(by_length, one_by_one, atol=1e-5) and np.allclose(given, one_by_one, atol=1e-5)
     preds = engine.predict(examples, 4)
     assert [p.confidence for p in preds] == by_length  # predict batches as score_examples does
+
+
+def test_a_head_on_early_layers_stops_the_pass_there_and_the_rows_that_ask_finish_it(tiny_model_dir):
+    """A head that reads no layer past k: the decision pass runs layers 1..k only (the later layers are never
+    called), its scores and features are those of the whole pass, and the rows that ask go on through the rest,
+    so their questions are the tokens of the whole pass's cache and of a prefill of their own."""
+    import torch
+
+    from clarifier.core.schema import ClarifyRequest
+    from clarifier.engine.decision_head import DecisionHead
+    from clarifier.engine.inference import ClarifierEngine
+
+    engine = ClarifierEngine.from_base(str(tiny_model_dir), precision="fp32", max_new_tokens=12)
+    hidden = engine.model.config.hidden_size
+    torch.manual_seed(0)
+    engine.decision_head = DecisionHead([1], torch.randn(2 * hidden) * 0.5, 0.0, ["last", "mean"])
+    items = [(e.history, e.query, e.passages) for e in _examples(6, "s")]
+
+    calls = []
+    last = engine.model.get_decoder().layers[1]
+    hook = last.register_forward_hook(lambda _m, args, _o: calls.append(args[0].shape[0]))
+    try:
+        stopped, state = engine._decide(items, keep_cache=True)
+        assert calls == [] and state.rest is not None  # layer 2 never ran
+        _, _, full = engine._decision_pass(items, True, [1], ["last", "mean"])  # stop=False: the whole pass
+        assert calls == [len(items)] and full.rest is None
+        p_full = engine.decision_head.probability(engine._decision_pass(items, False, [1], ["last", "mean"])[1])
+        assert torch.allclose(torch.tensor(stopped), p_full.float(), atol=1e-6)
+        _, f_stop = engine.decision_features(items, [1], ["last", "mean"], token=False)
+        tok, f_full = engine.decision_features(items, [1], ["last", "mean"])
+        assert torch.equal(f_stop, f_full) and not any(t != t for t in tok)
+
+        rows = [1, 3, 4]
+        sub = [items[i] for i in rows]
+        calls.clear()
+        got = engine._continue_ids(state, rows, sub)
+        assert calls[0] == len(rows)  # only the rows that ask finished the pass (then the decoding steps)
+        want = engine._continue_ids(full, rows, sub)
+        assert got.tolist() == want.tolist() == engine._prefill_ids(sub).tolist()
+    finally:
+        hook.remove()
+
+    # Served: the same answers as from a whole pass (the tiny model's questions do not parse: valid_output says so)
+    engine.threshold = sorted(stopped)[3]
+    reqs = [ClarifyRequest(history=h, query=q, passages=p) for h, q, p in items]
+
+    def served(e):
+        return [(round(a.confidence, 5), a.valid_output, a.needs_clarification, a.question, a.usage.completion_tokens)
+                for a in e.clarify(reqs)]
+
+    answers = served(engine)
+    assert sum(not valid or asked for _, valid, asked, _, _ in answers) == 3
+    engine.early_stop = False  # the whole pass
+    calls.clear()
+    hook = last.register_forward_hook(lambda _m, args, _o: calls.append(args[0].shape[0]))
+    try:
+        assert served(engine) == answers
+        assert calls[0] == len(items)
+    finally:
+        hook.remove()

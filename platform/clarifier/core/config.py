@@ -319,7 +319,9 @@ class DecisionHeadConfig(_Strict):
                            "from it instead of the two decision-token logits (same single prefill).")
     layers: list[float] = Field(
         [0.25, 0.5, 0.75, 1.0], min_length=1,
-        description="Depths whose states it reads, as fractions of the model's layers (1.0 = the last layer).")
+        description="Depths whose states it reads, as fractions of the model's layers (1.0 = the last layer). "
+                    "When the deepest is before the last, the decision pass stops after it (a clear turn costs that "
+                    "part of a pass; the turns that ask finish it).")
     pooling: list[Literal["last", "mean"]] = Field(
         ["last"], min_length=1,
         description="What it reads of each layer: the state at the decision position (last) and/or the states "

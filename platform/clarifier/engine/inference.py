@@ -180,12 +180,28 @@ class DecisionPass:
     attention_mask: Any
     cache: Any  # the transformers Cache of every row (None unless the pass kept it)
     prompt_tokens: list[int]  # tokens each row read (its unpadded length)
+    # a pass that stopped after the head's deepest layer (``_decision_pass(stop=True)``) and kept its cache:
+    # (the next layer's index, that layer's input hidden states [batch, length, hidden], the keyword arguments
+    # every layer was called with); the rows that ask go through the rest of the layers (:meth:`_finish_cache`)
+    rest: Any = None
+
+
+class _Stopped(Exception):
+    """Raised by the decision pass's hook after the last layer a decision head reads (the rest is not computed)."""
+
+
+#: Architectures whose decoder calls every layer with the same keyword arguments (mask, rotary embedding), so a pass
+#: stopped after layer k can be finished from k's output for the rows that ask (Gemma's layers differ by type).
+FINISHABLE = ("llama",)
 
 
 class ClarifierEngine:
     # Generation continues from the decision pass's KV cache (the prompt is encoded once). A
     # subclass whose decision and generation run different weights (PipelineEngine) sets False.
     one_prefill: bool = True
+    # A head whose deepest layer is not the last ends the decision pass there (:meth:`_decision_pass`'s ``stop``);
+    # False runs every layer (the benchmark's reference, benchmarks/engine/bench_early_exit.py).
+    early_stop: bool = True
 
     def __init__(self, model, tokenizer, *, threshold: float = 0.5, version: str = "local",
                  prompt_opts: PromptOptions | None = None, max_new_tokens: int = 48,
@@ -277,7 +293,7 @@ class ClarifierEngine:
         return {k: v.to(self.device) for k, v in enc.items()}
 
     def _decision_pass(self, items: list[tuple], keep_cache: bool = False, layers: list[int] | None = None,
-                       pooling: Sequence[str] = ("last",)):
+                       pooling: Sequence[str] = ("last",), stop: bool = False):
         """One forward pass over ``prompt + "decision:"``: ``(P(clarify) from the decision tokens, the hidden
         states of ``layers`` pooled as ``pooling`` or None, DecisionPass)``.
 
@@ -289,12 +305,20 @@ class ClarifierEngine:
         mean over the prompt's tokens (``mean``, padding masked) as it is computed, so a large batch does
         not hold every layer's states for every token. Features: every layer's ``last``, then every
         layer's ``mean`` (:mod:`clarifier.engine.decision_head`).
+
+        ``stop``: when the deepest of ``layers`` is not the last, the pass ends after it (a head on the first half
+        of the layers costs half a pass); the decision tokens' P(clarify) are then NaN (only a head decides). With
+        ``keep_cache`` too (architectures in :data:`FINISHABLE`; others run the whole pass), the state keeps that
+        layer's output, and :meth:`_continue_ids` finishes the cache of the rows that ask.
         """
         torch = self._torch
         texts = [self._prompt(h, q, p) + DECISION_PREFIX for h, q, p in items]
         head = self.model.get_output_embeddings()
         n_layers = self.model.config.num_hidden_layers
         captured: dict = {}
+        stop_at = max(layers) if stop and layers and max(layers) < n_layers else None
+        if stop_at and keep_cache and getattr(self.model.config, "model_type", None) not in FINISHABLE:
+            stop_at = None
 
         def keep(i: int, kinds: Sequence[str]):
             def hook(_m, _args, out):
@@ -306,6 +330,11 @@ class ClarifierEngine:
                     captured[("mean", i)] = (t.float() * m).sum(1) / m.sum(1)
             return hook
 
+        def stopper(_m, _args, kwargs, out):  # after the pooling hooks of the same layer (registered before it)
+            if keep_cache:
+                captured["rest"] = (stop_at, out[0] if isinstance(out, tuple) else out, kwargs)
+            raise _Stopped
+
         hooks = [head.register_forward_hook(lambda _m, args, _out: captured.__setitem__("h", args[0]))]
         decoder = self.model.get_decoder() if layers else None
         for i in (layers or []):
@@ -316,32 +345,74 @@ class ClarifierEngine:
                     raise ValueError(f"mean pooling of the last layer needs the decoder's final norm "
                                      f"({type(decoder).__name__} has no .norm)")
                 hooks.append(decoder.norm.register_forward_hook(keep(i, ("mean",))))
+        if stop_at:
+            hooks.append(decoder.layers[stop_at - 1].register_forward_hook(stopper, with_kwargs=True))
+        cache = None
         try:
             with torch.inference_mode():
                 enc = self._encode(texts)
                 captured["mask"] = enc["attention_mask"].unsqueeze(-1).float()
-                # Only the last position's logits: with a large vocabulary (Gemma: 262k) the full
-                # [batch, length, vocab] tensor would cost most of the time and gigabytes of memory.
-                out = self.model(**enc, position_ids=positions_from_mask(enc["attention_mask"]), logits_to_keep=1,
-                                 use_cache=keep_cache)
-                hidden = captured["h"][:, -1, :].float()
-                rows = [self.clarify_id, self.answer_id]
-                pair = hidden @ head.weight[rows].float().T
-                if getattr(head, "bias", None) is not None:
-                    pair = pair + head.bias[rows].float()
-                cap = getattr(self.model.config, "final_logit_softcapping", None)
-                if cap:
-                    pair = torch.tanh(pair / cap) * cap
-                probs = torch.softmax(pair, dim=-1)[:, 0]
-                captured.update({("last", i): hidden for i in (layers or []) if i >= n_layers})
+                if stop_at and keep_cache:
+                    from transformers import DynamicCache
+
+                    cache = DynamicCache(config=self.model.config)  # the layers before the stop fill it
+                try:
+                    # Only the last position's logits: with a large vocabulary (Gemma: 262k) the full
+                    # [batch, length, vocab] tensor would cost most of the time and gigabytes of memory.
+                    out = self.model(**enc, position_ids=positions_from_mask(enc["attention_mask"]), logits_to_keep=1,
+                                     use_cache=keep_cache, **({"past_key_values": cache} if cache is not None else {}))
+                    cache = out.past_key_values if keep_cache else None
+                except _Stopped:
+                    out = None
+                if out is None:
+                    probs = torch.full((len(items),), float("nan"))
+                else:
+                    hidden = captured["h"][:, -1, :].float()
+                    rows = [self.clarify_id, self.answer_id]
+                    pair = hidden @ head.weight[rows].float().T
+                    if getattr(head, "bias", None) is not None:
+                        pair = pair + head.bias[rows].float()
+                    cap = getattr(self.model.config, "final_logit_softcapping", None)
+                    if cap:
+                        pair = torch.tanh(pair / cap) * cap
+                    probs = torch.softmax(pair, dim=-1)[:, 0]
+                    captured.update({("last", i): hidden for i in (layers or []) if i >= n_layers})
                 feats = (torch.cat([captured[(kind, i)] for kind in POOLINGS if kind in pooling for i in layers], dim=-1)
                          if layers else None)
         finally:
             for h in hooks:
                 h.remove()
-        state = DecisionPass(enc["input_ids"], enc["attention_mask"], out.past_key_values if keep_cache else None,
-                             [int(n) for n in enc["attention_mask"].sum(dim=1)])
+        state = DecisionPass(enc["input_ids"], enc["attention_mask"], cache,
+                             [int(n) for n in enc["attention_mask"].sum(dim=1)], captured.get("rest"))
         return probs, feats, state
+
+    def _finish_cache(self, state: DecisionPass, rows: list[int]):
+        """The KV cache of rows ``rows`` through every layer, after a pass that stopped early and kept its cache
+        (``state.rest``): their hidden states go on through the layers the pass did not compute, called as the pass
+        called its layers (the same mask and rotary embedding, those rows' of them)."""
+        torch = self._torch
+        start, hidden, kwargs = state.rest
+        b = hidden.shape[0]
+        idx = torch.tensor(rows, device=hidden.device)
+        cache = state.cache
+        if len(rows) != b:
+            cache.batch_select_indices(idx)
+
+        def pick(v):  # a tensor with a row per item: those rows (a mask broadcast over the batch stays as it is)
+            if isinstance(v, torch.Tensor):
+                return v[idx] if v.dim() and v.shape[0] == b and len(rows) != b else v
+            if isinstance(v, (tuple, list)):
+                return type(v)(pick(x) for x in v)
+            return v
+
+        kwargs = {k: pick(v) for k, v in kwargs.items()} | {"past_key_values": cache, "use_cache": True}
+        h = pick(hidden)
+        with torch.inference_mode():
+            for layer in self.model.get_decoder().layers[start:self.model.config.num_hidden_layers]:
+                h = layer(h, **kwargs)
+                h = h[0] if isinstance(h, tuple) else h
+        state.rest = None
+        return cache
 
     def _decide(self, items: list[tuple], keep_cache: bool = False,
                 heads: Sequence[DecisionHead | None] | None = None) -> tuple[list[float], DecisionPass | None]:
@@ -353,7 +424,9 @@ class ClarifierEngine:
         distinct = list({id(h): h for h in heads if h is not None}.values())
         layers = sorted({i for h in distinct for i in h.layers})
         pooling = [k for k in POOLINGS if any(k in h.pooling for h in distinct)] or ["last"]
-        token_probs, feats, state = self._decision_pass(items, keep_cache, layers or None, pooling)
+        # every item decided by a head: the pass ends after the deepest layer they read
+        stop = self.early_stop and bool(layers) and all(h is not None for h in heads)
+        token_probs, feats, state = self._decision_pass(items, keep_cache, layers or None, pooling, stop=stop)
         out = [float(x) for x in token_probs]
         for h in distinct:
             rows = [r for r, g in enumerate(heads) if g is h]
@@ -365,11 +438,12 @@ class ClarifierEngine:
                 out[r] = float(p)
         return out, state
 
-    def decision_features(self, items: list[tuple], layers: list[int],
-                          pooling: Sequence[str] = ("last",)) -> tuple[list[float], Any]:
+    def decision_features(self, items: list[tuple], layers: list[int], pooling: Sequence[str] = ("last",),
+                          token: bool = True) -> tuple[list[float], Any]:
         """``(P(clarify) from the decision tokens, [n, len(pooling) * len(layers) * hidden] float32 features)``
-        for ``(history, query, passages)`` items: what a decision head is fitted on (one forward pass)."""
-        probs, feats, _ = self._decision_pass(items, False, layers, pooling)
+        for ``(history, query, passages)`` items: what a decision head is fitted on (one forward pass).
+        ``token=False``: the pass ends after the deepest of ``layers`` and the decision tokens' P(clarify) are NaN."""
+        probs, feats, _ = self._decision_pass(items, False, layers, pooling, stop=not token)
         return [float(x) for x in probs], feats
 
     def score(self, items: list[tuple]) -> list[float]:
@@ -462,7 +536,9 @@ class ClarifierEngine:
         enc = {"input_ids": torch.cat([ids, suffix], dim=1),
                "attention_mask": torch.cat([mask, torch.ones_like(suffix, dtype=mask.dtype)], dim=1)}
         cache = state.cache
-        if len(rows) != state.input_ids.shape[0]:  # keep only the rows that ask
+        if state.rest is not None:  # the pass stopped at the head's deepest layer: the rows that ask go through the rest
+            cache = self._finish_cache(state, rows)
+        elif len(rows) != state.input_ids.shape[0]:  # keep only the rows that ask
             cache.batch_select_indices(torch.tensor(rows, device=ids.device))
         return self._generate_ids(enc, items, cache=cache)
 

@@ -69,9 +69,9 @@ class PipelineEngine(ClarifierEngine):
                    decode="generate")  # PEFT switches adapters between the parts: no fused weights
 
     def _decision_pass(self, items: list[tuple], keep_cache: bool = False, layers: list[int] | None = None,
-                       pooling=("last",)):
+                       pooling=("last",), stop: bool = False):
         self.model.set_adapter("when")
-        return super()._decision_pass(items, keep_cache, layers, pooling)
+        return super()._decision_pass(items, keep_cache, layers, pooling, stop)
 
     def _continue(self, texts: list[str], adapter: str, one_line: bool, items, written=None) -> list[str]:
         self.model.set_adapter(adapter)

@@ -145,7 +145,8 @@ class ScorerActor:
     ``{"base_model", "prompt", "threshold", "cache_dir"}`` (the untrained base model with the same prompt).
     ``mode`` is ``"predict"`` (decision, then question and grounding above the threshold), ``"score"``
     (decision only) or ``"features"`` (the decision tokens' P(clarify) and the hidden-state features a
-    decision head reads, ``features={"layers": [...], "pooling": [...]}``: the engine's ``decision_features``).
+    decision head reads, ``features={"layers": [...], "pooling": [...], "token": bool}``: the engine's
+    ``decision_features``).
     """
 
     def __init__(self, spec: dict, mode: str = "predict", batch_size: int = 8, cpus: float = 1,
@@ -193,7 +194,8 @@ class ScorerActor:
         for _, positions in sorted(groups.items()):
             positions.sort(key=lambda p: idx[p])
             p, f = self.engine.decision_features([(examples[q].history, examples[q].query, examples[q].passages)
-                                                  for q in positions], self.features["layers"], self.features["pooling"])
+                                                  for q in positions], self.features["layers"], self.features["pooling"],
+                                                 token=self.features.get("token", True))
             f = f.float().numpy()
             for row, q in enumerate(positions):
                 token[q], feats[q] = float(p[row]), f[row].tobytes()
@@ -251,11 +253,13 @@ def _run_pool(examples: Sequence[Example], spec: dict, *, mode: str, batch_size:
 
 def ray_features(examples: Sequence[Example], spec: dict, layers: list[int], pooling: Sequence[str], *,
                  opts: PromptOptions | None, batch_size: int = 8, actors: int = 1, cpus_per_actor: float = 1,
-                 gpus_per_actor: float = 0, progress: Callable[[str], None] | None = None, label: str = "[head]"):
+                 gpus_per_actor: float = 0, progress: Callable[[str], None] | None = None, label: str = "[head]",
+                 token: bool = True):
     """``(decision-token P(clarify), [n, features] float32 array, precision)`` of ``examples`` in their order,
     computed by the actors: on CPU actors equal to ``ClarifierEngine.decision_features`` on the batches
     :meth:`ClarifierEngine.batches` makes (``opts``: the model's prompt options, as in :func:`ray_predict`; None:
-    ``batch_size`` consecutive examples)."""
+    ``batch_size`` consecutive examples). ``token=False``: the passes stop after the deepest of ``layers`` (the
+    decision tokens' P(clarify) are NaN)."""
     import numpy as np
 
     if not examples:
@@ -263,7 +267,8 @@ def ray_features(examples: Sequence[Example], spec: dict, layers: list[int], poo
     order = _order(examples, opts)
     rows = _run_pool([examples[i] for i in order], spec, mode="features", batch_size=batch_size, actors=actors,
                      cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
-                     features={"layers": list(layers), "pooling": list(pooling)}, progress=progress, label=label)
+                     features={"layers": list(layers), "pooling": list(pooling), "token": token}, progress=progress,
+                     label=label)
     x_sorted = np.stack([np.frombuffer(r["features"], dtype=np.float32) for r in rows])
     token, x = [0.0] * len(examples), np.empty_like(x_sorted)
     for pos, i in enumerate(order):

@@ -37,9 +37,10 @@ def balanced_weights(sources: list[str], gold: list[bool]) -> list[float]:
 
 
 def hidden_features(engine, examples, layers, batch_size: int, label: str, progress: Callable[[str], None],
-                    pooling=("last",)):
+                    pooling=("last",), token: bool = True):
     """``(decision-token P(clarify), features)`` of ``examples``, in their order; batched by length (the
-    rendered conversation's characters), so a batch pads little."""
+    rendered conversation's characters), so a batch pads little. ``token=False``: each pass stops after the
+    deepest of ``layers`` and the decision tokens' P(clarify) are NaN (a head on early layers costs part of a pass)."""
     import numpy as np
     import torch
 
@@ -47,7 +48,7 @@ def hidden_features(engine, examples, layers, batch_size: int, label: str, progr
     token, feats, done, t0 = [0.0] * len(examples), [], 0, time.time()
     for rows in batches:
         p, f = engine.decision_features([(examples[i].history, examples[i].query, examples[i].passages) for i in rows],
-                                        layers, pooling)
+                                        layers, pooling, token=token)
         for i, v in zip(rows, p):
             token[i] = v
         feats.append(f)
@@ -67,8 +68,9 @@ class LocalFeatures:
         self.n_layers = engine.model.config.num_hidden_layers
         self.precision = engine.precision
 
-    def __call__(self, examples, layers, pooling, batch_size: int, label: str, progress: Callable[[str], None]):
-        return hidden_features(self.engine, examples, layers, batch_size, label, progress, pooling)
+    def __call__(self, examples, layers, pooling, batch_size: int, label: str, progress: Callable[[str], None],
+                 token: bool = True):
+        return hidden_features(self.engine, examples, layers, batch_size, label, progress, pooling, token)
 
 
 class RayFeatures:
@@ -88,16 +90,17 @@ class RayFeatures:
         self.precision = precision  # until the actors say what they resolved it to
         self.pool = {"actors": actors, "cpus_per_actor": cpus_per_actor, "gpus_per_actor": gpus_per_actor}
 
-    def __call__(self, examples, layers, pooling, batch_size: int, label: str, progress: Callable[[str], None]):
+    def __call__(self, examples, layers, pooling, batch_size: int, label: str, progress: Callable[[str], None],
+                 token: bool = True):
         from clarifier.engine.ray_pool import ray_features
 
         t0 = time.time()
-        token, x, self.precision = ray_features(examples, self.spec, layers, pooling, opts=self.opts,
+        probs, x, self.precision = ray_features(examples, self.spec, layers, pooling, opts=self.opts,
                                                 batch_size=batch_size, progress=progress, label=f"[head] {label}:",
-                                                **self.pool)
+                                                token=token, **self.pool)
         progress(f"[head] {label}: {len(examples)}/{len(examples)} on {self.pool['actors']} Ray actor(s) "
                  f"({len(examples) / max(time.time() - t0, 1e-9):.1f} examples/s)")
-        return token, x
+        return probs, x
 
 
 def standardised(fit: dict, x):
@@ -236,7 +239,9 @@ def fit_head(features, train_examples: list, dev_examples: list, cfg: DecisionHe
     clipped = "" if cfg.clip is None else f", features clipped at {cfg.clip:g} sd"
     progress(f"[head] fitting a decision head on layers {layers} ({'+'.join(pooling)}{clipped}): {len(train)} train examples "
              f"({sum(e.needs_clarification for e in train)} need a question), {len(dev_examples)} to choose it")
-    _, x_train = features(train, layers, pooling, cfg.batch_size, "train", progress)
+    # the train turns' decision tokens are not used: their passes stop after the head's deepest layer; the dev turns'
+    # are reported beside the head (the whole pass)
+    _, x_train = features(train, layers, pooling, cfg.batch_size, "train", progress, token=False)
     dev_token, x_dev = features(dev_examples, layers, pooling, cfg.batch_size, "dev", progress)
 
     dev_gold, dev_sources = [e.needs_clarification for e in dev_examples], [source_of(e) for e in dev_examples]
