@@ -159,6 +159,17 @@ def sampled_turns(args) -> list:
     return random.Random(args.seed).sample(pool, args.turns)
 
 
+def engine_and_turns(args) -> tuple:
+    """``(engine of args.model on args.threads torch threads, sampled_turns(args))`` (:func:`engine_turn_options`)."""
+    import torch
+
+    from clarifier.engine.loading import load_engine
+
+    examples = sampled_turns(args)
+    torch.set_num_threads(args.threads)
+    return load_engine(args.model), examples
+
+
 def timed(fn):
     """``(seconds, fn())``."""
     t = time.perf_counter()

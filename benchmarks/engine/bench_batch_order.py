@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import cpu_info, engine_turn_options, result_file, sampled_turns, timed, write_result  # noqa: E402
+from common import cpu_info, engine_and_turns, engine_turn_options, result_file, timed, write_result  # noqa: E402
 
 ORDERS = ("given", "length")
 
@@ -50,14 +50,10 @@ def main() -> None:
     out = result_file(f"engine-batch-order-{dt.date.today().isoformat()}", args.out)
 
     import numpy as np
-    import torch
 
     from clarifier.core.schema import source_of
-    from clarifier.engine.loading import load_engine
 
-    examples = sampled_turns(args)
-    torch.set_num_threads(args.threads)
-    engine = load_engine(args.model)
+    engine, examples = engine_and_turns(args)
     print(f"[bench] {len(examples)} {args.split} turns of {sorted({source_of(e) for e in examples})}; "
           f"{engine.precision}, {args.threads} threads, batch {args.batch_size}", flush=True)
     engine.score_examples(examples[: args.batch_size], args.batch_size)  # warm-up

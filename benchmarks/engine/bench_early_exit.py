@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import cpu_info, engine_turn_options, result_file, sampled_turns, timed, write_result  # noqa: E402
+from common import cpu_info, engine_and_turns, engine_turn_options, result_file, timed, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -49,11 +49,8 @@ def main() -> None:
     from clarifier.core.schema import ClarifyRequest, source_of
     from clarifier.engine.decision_head import DecisionHead
     from clarifier.engine.inference import head_columns
-    from clarifier.engine.loading import load_engine
 
-    examples = sampled_turns(args)
-    torch.set_num_threads(args.threads)
-    engine = load_engine(args.model)
+    engine, examples = engine_and_turns(args)
     shipped = engine.decision_head
     n_layers = engine.model.config.num_hidden_layers
     if shipped is None or shipped.clip is not None:

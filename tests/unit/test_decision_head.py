@@ -294,6 +294,7 @@ def test_a_head_on_early_layers_stops_the_pass_there_and_the_rows_that_ask_finis
     from clarifier.core.schema import ClarifyRequest
     from clarifier.engine.decision_head import DecisionHead
     from clarifier.engine.inference import ClarifierEngine
+    from clarifier.train.decision_head import hidden_features
 
     engine = ClarifierEngine.from_base(str(tiny_model_dir), precision="fp32", max_new_tokens=12)
     hidden = engine.model.config.hidden_size
@@ -314,6 +315,12 @@ def test_a_head_on_early_layers_stops_the_pass_there_and_the_rows_that_ask_finis
         _, f_stop = engine.decision_features(items, [1], ["last", "mean"], token=False)
         tok, f_full = engine.decision_features(items, [1], ["last", "mean"])
         assert torch.equal(f_stop, f_full) and not any(t != t for t in tok)
+        calls.clear()  # the head's train turns while it is fitted (token=False): the pass stops there too
+        examples = _examples(6, "s")
+        _, x_stop = hidden_features(engine, examples, [1], 4, "train", lambda _m: None, ("last", "mean"), token=False)
+        assert calls == []
+        _, x_full = hidden_features(engine, examples, [1], 4, "train", lambda _m: None, ("last", "mean"))
+        assert calls and (x_stop == x_full).all()
 
         rows = [1, 3, 4]
         sub = [items[i] for i in rows]

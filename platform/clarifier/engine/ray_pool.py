@@ -270,11 +270,11 @@ def ray_features(examples: Sequence[Example], spec: dict, layers: list[int], poo
                      features={"layers": list(layers), "pooling": list(pooling), "token": token}, progress=progress,
                      label=label)
     x_sorted = np.stack([np.frombuffer(r["features"], dtype=np.float32) for r in rows])
-    token, x = [0.0] * len(examples), np.empty_like(x_sorted)
+    probs, x = [0.0] * len(examples), np.empty_like(x_sorted)
     for pos, i in enumerate(order):
-        token[i] = float(rows[pos]["token"])
+        probs[i] = float(rows[pos]["token"])
     x[order] = x_sorted
-    return token, x, str(rows[0]["precision"])
+    return probs, x, str(rows[0]["precision"])
 
 
 def _order(examples: Sequence[Example], opts: PromptOptions | None) -> list[int]:

@@ -45,19 +45,19 @@ def hidden_features(engine, examples, layers, batch_size: int, label: str, progr
     import torch
 
     batches = engine.batches(examples, batch_size)
-    token, feats, done, t0 = [0.0] * len(examples), [], 0, time.time()
+    probs, feats, done, t0 = [0.0] * len(examples), [], 0, time.time()
     for rows in batches:
         p, f = engine.decision_features([(examples[i].history, examples[i].query, examples[i].passages) for i in rows],
                                         layers, pooling, token=token)
         for i, v in zip(rows, p):
-            token[i] = v
+            probs[i] = v
         feats.append(f)
         done += len(rows)
         if done % 64 < len(rows) or done == len(examples):  # the CLI shows these as one live line
             progress(f"[head] {label}: {done}/{len(examples)} ({done / max(time.time() - t0, 1e-9):.1f} examples/s)")
     x = np.empty((len(examples), feats[0].shape[1]), dtype=np.float32)
     x[sum(batches, [])] = torch.cat(feats).numpy()
-    return token, x
+    return probs, x
 
 
 class LocalFeatures:
