@@ -1,7 +1,10 @@
 """Does the labelling queue's active selection buy the same AUROC with fewer labels than labelling at random?
 
-    # the model: recipe joint-public trained without the source (its data.sources less that line):
-    #   clarifier train --config loo-pacific.yaml --prepare --no-eval
+    # the model: recipe joint-public trained without the source: a copy of recipes/configs/joint-public.yaml less
+    # that source's line in data.sources, with storage.root, data.input and data.output of its own (the results
+    # pages: train.max_minutes=25, train.decision_head.max_per_source=250); then
+    #   CLARIFIER_DATA_MIRROR=... clarifier train --config loo-pacific.yaml --prepare --no-eval
+    # prints the model's folder (model_dir) at the end
     .venv/bin/python benchmarks/labelling/active_vs_random.py --data .clarifier/recipes/joint-public/data \
         --model <folder of the model trained without pacific> --source pacific \
         --in-domain retrained-plain=benchmarks/results/recipe-retrain-plain.json:retrained-plain
@@ -14,7 +17,8 @@ used for any choice, score every head. For each seed, as the product does it:
   ``--kept-apart`` turns, stratified by the model's score, one per conversation; their conversations leave the
   pool. Labelled, never fitted on: at every count the adapted head's AUROC on them, with its bootstrap interval
   (:func:`clarifier.train.adapt.kept_apart_figures`), is checked against its AUROC on the test turns;
-* **random**: the pool's turns in a seeded random order, the first k labelled;
+* **random**: the pool's turns in a seeded random order, the first k labelled (the kind of draw
+  ``clarifier label select --strategy random`` queues, not the same order);
 * **active**: ``--step`` turns at a time, each round chosen by :func:`clarifier.core.selection.active_selection`
   (the scores nearest the threshold, spread over MiniLM k-means clusters of the turn's text) from the scores and
   threshold of the model as it then stands: the model as trained for the first round, then the head ``clarifier

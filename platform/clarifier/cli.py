@@ -625,9 +625,14 @@ def label_select(logs: str = typer.Option(..., help="Folder, file or s3:// prefi
                  seed: int = typer.Option(0, help="The same seed, logs and model give the same queue."),
                  encoder: Optional[str] = typer.Option(None, help="Sentence encoder for the diversity clusters (a "
                                                        "folder or hub id; default the packaged all-MiniLM-L6-v2)."),
+                 strategy: str = typer.Option("active", help="How the turns that are not kept apart are chosen: "
+                                              "active (near the threshold, spread over topics) or random. Active "
+                                              "beat random where few turns need a question and lost where about "
+                                              "half do (docs: results/active-vs-random)."),
                  config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
-    """Choose the turns of your logs to label next: near the model's threshold, spread over topics, plus a
-    kept-apart slice for an honest estimate. Scores every turn on Ray (audit.actors, audit.formats apply)."""
+    """Choose the turns of your logs to label next: near the model's threshold, spread over topics (or at random:
+    --strategy random), plus a kept-apart slice for an honest estimate. Scores every turn on Ray (audit.actors,
+    audit.formats apply)."""
     from clarifier.evaluation.label_queue import QueueError, select_queue
     from clarifier.runtime import storage
 
@@ -635,7 +640,8 @@ def label_select(logs: str = typer.Option(..., help="Folder, file or s3:// prefi
     storage.set_s3_endpoint(cfg.storage.s3_endpoint_url)
     try:
         summary = select_queue(cfg, logs=logs, out=out, n=n, kept_apart=kept_apart, model_uri=model,
-                               labelled=list(labelled or []), seed=seed, encoder=encoder, progress=_say)
+                               labelled=list(labelled or []), seed=seed, encoder=encoder, strategy=strategy,
+                               progress=_say)
     except (ValueError, FileNotFoundError) as exc:
         err_console.print(f"[red]label select error:[/red] {escape(str(exc))}")
         raise typer.Exit(2)

@@ -84,12 +84,18 @@ def test_label_select_queues_uncertain_diverse_turns_and_a_kept_apart_slice(tmp_
     assert manifest["counts"]["turns"] == 80 and manifest["counts"]["labelled_in_logs"] == 8
     assert manifest["counts"]["quarantined"] == 1 and manifest["kept_apart"] == 4
 
-    # the next round, from the first queue's ids: nothing queued twice (the same seed and scores: same order,
-    # so only the exclusion keeps them apart)
-    nxt = run(tmp_path / "q3", "--labelled", str(tmp_path / "q1" / "queue.jsonl"))
+    # the next round, from the first queue's ids, drawn at random this time: nothing queued twice (the same seed
+    # and scores: the same kept-apart order, so only the exclusion keeps them apart)
+    nxt = run(tmp_path / "q3", "--labelled", str(tmp_path / "q1" / "queue.jsonl"), "--strategy", "random")
     assert nxt.exit_code == 0, nxt.output
+    assert "8 drawn at random, 4 kept apart" in nxt.output, nxt.output
     q3 = _queue(tmp_path / "q3")
     assert len(q3) == 12 and not {r["id"] for r in q3} & {r["id"] for r in q}
+    assert sorted({r["meta"]["queue"]["part"] for r in q3}) == ["kept_apart", "random"]
+    m3 = json.loads((tmp_path / "q3" / "queue.json").read_text())
+    assert m3["strategy"] == "random" and m3["random"] == 8 and manifest["strategy"] == "active"
+    res = run(tmp_path / "q4", "--strategy", "uncertain")
+    assert res.exit_code == 2 and "strategy 'uncertain': one of active, random" in res.output
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query": "no id"}\n')

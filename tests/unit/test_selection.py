@@ -6,8 +6,10 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
-from clarifier.core.selection import (active_selection, diverse_pick, kept_apart_slice, margins, uncertain_pool)
+from clarifier.core.selection import (active_selection, diverse_pick, kept_apart_slice, margins, random_selection,
+                                      select_part, uncertain_pool)
 from clarifier.evaluation.label_queue import interleave
 
 
@@ -80,3 +82,30 @@ def test_interleave_spreads_the_kept_apart_slice_over_the_queue():
     assert [pos for pos, (part, _) in enumerate(order) if part == "kept_apart"] in ([4, 9], [3, 8], [4, 8])
     assert interleave([], [1, 2]) == [("kept_apart", 1), ("kept_apart", 2)]
     assert interleave([1], []) == [("active", 1)]
+    assert interleave([1, 2], [9], "random") == [("random", 1), ("random", 2), ("kept_apart", 9)]
+
+
+def test_random_selection_is_seeded_order_free_and_only_from_the_eligible():
+    ids, _, scores = _turns(200, 2)
+    eligible = list(range(0, 200, 2))
+    picked = random_selection(ids, eligible, 20, seed=5)
+    assert len(picked) == len(set(picked)) == 20 and set(picked) <= set(eligible)
+    assert random_selection(ids, list(reversed(eligible)), 20, seed=5) == picked  # arrival order does not matter
+    assert random_selection(ids, eligible, 20, seed=6) != picked  # the seed does
+    assert sorted(picked) != sorted(eligible)[:20]  # not the first turns, nor chosen by score:
+    near = uncertain_pool(ids, scores, 0.5, eligible, 20, seed=5)
+    assert set(picked) != set(near)
+    assert random_selection(ids, eligible, 500) == random_selection(ids, eligible, 100)  # at most the eligible
+    assert random_selection(ids, eligible, 0) == []
+
+
+
+def test_select_part_by_strategy():
+    ids, _, scores = _turns(120, 3)
+    embed = lambda idx: np.array([[float(i % 4), float(i % 3)] for i in idx])  # noqa: E731
+    assert select_part("random", ids, scores, 0.5, range(120), 8, embed, seed=1) == (
+        random_selection(ids, range(120), 8, seed=1), [])
+    assert select_part("active", ids, scores, 0.5, range(120), 8, embed, seed=1, pool_factor=2) == active_selection(
+        ids, scores, 0.5, range(120), 8, embed, seed=1, pool_factor=2)
+    with pytest.raises(ValueError, match="strategy 'uncertain': one of active, random"):
+        select_part("uncertain", ids, scores, 0.5, range(120), 8, embed)

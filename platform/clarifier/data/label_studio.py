@@ -6,7 +6,7 @@ and the labelling interface to create the project with (``LABEL_CONFIG``, also w
 ``label-config.xml``):
 
 * ``data``: ``turn_id``, ``conversation`` (numbered turns, one per line), ``passages``, ``query``, ``part``
-  (active / kept apart) and the model's ``score``;
+  (active, random or kept apart) and the model's ``score``;
 * ``predictions``: a pre-annotation Label Studio shows for the person to confirm or change: the turn's pre-label
   from what happened next where it has one (a queue from the serving request log, ``meta.prelabel``;
   ``model_version`` ``what-happened-next:<rule>``, with the question that was asked), else the model's decision at

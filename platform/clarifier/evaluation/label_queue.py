@@ -13,12 +13,13 @@
    ``audit.actors`` scorer actors, written to ``<out>/scored/`` (Parquet);
 3. in the driver, on ids and scores only (:mod:`clarifier.core.selection`): leave out turns already labelled (a
    gold label in the logs, or an id in a ``--labelled`` file: earlier labels or queues, so no turn is queued
-   twice), draw the **kept-apart slice** (stratified by score, one turn per conversation), then the **active
-   part** from the other conversations: the turns nearest the threshold, spread over clusters of a MiniLM
-   embedding of the turn (only that pool is embedded);
+   twice), draw the **kept-apart slice** (stratified by score, one turn per conversation), then from the other
+   conversations the **active part** (``strategy="active"``): the turns nearest the threshold, spread over
+   clusters of a MiniLM embedding of the turn (only that pool is embedded), or a seeded random draw
+   (``strategy="random"``);
 4. write ``<out>/queue.jsonl``: one turn per line in labelling order (the two parts interleaved, so any prefix
    labelled holds both in proportion), each an evaluation-set record without its label -- ``id``, ``history``,
-   ``query``, ``passages``, and ``meta.queue`` (``part``: ``active`` or ``kept_apart``, the score, threshold,
+   ``query``, ``passages``, and ``meta.queue`` (``part``: ``active``, ``random`` or ``kept_apart``, the score, threshold,
    cluster, source file and line). Adding ``needs_clarification`` (and a question, or ``decision_only: true``)
    to a line makes it a labelled turn ``clarifier adapt`` reads; ``<out>/queue.json`` records how the queue was
    chosen.
@@ -40,7 +41,7 @@ from clarifier.runtime import storage
 
 QUEUE, MANIFEST, SCORED, QUARANTINE = "queue.jsonl", "queue.json", "scored", "quarantine"
 SCORED_COLUMNS = ["id", "conversation_id", "turn_index", "score", "gold", "source", "line", "turn_json"]
-PARTS = ("active", "kept_apart")
+PARTS = ("active", "random", "kept_apart")
 
 
 class QueueError(RuntimeError):
@@ -61,14 +62,15 @@ def labelled_ids(paths: list[str]) -> set[str]:
     return out
 
 
-def interleave(active: list[int], kept: list[int]) -> list[tuple[str, int]]:
-    """Both parts in one labelling order, each in its own order, spread in proportion over the queue."""
+def interleave(active: list[int], kept: list[int], part: str = "active") -> list[tuple[str, int]]:
+    """Both parts in one labelling order, each in its own order, spread in proportion over the queue (``part``:
+    the name of the one that is not kept apart)."""
     out, n_a, n_k = [], len(active), len(kept)
     ia = ik = 0
     while ia < n_a or ik < n_k:
         # take from the part that is furthest behind its share of the queue so far
         if ik >= n_k or (ia < n_a and (ia + 1) / n_a <= (ik + 1) / n_k):
-            out.append(("active", active[ia]))
+            out.append((part, active[ia]))
             ia += 1
         else:
             out.append(("kept_apart", kept[ik]))
@@ -84,10 +86,15 @@ def turn_text(example) -> str:
 
 def select_queue(cfg: ClarifierConfig, *, logs: str, out: str, n: int = 100, kept_apart: int | None = None,
                  model_uri: str | None = None, labelled: list[str] | None = None, seed: int = 0,
-                 encoder: str | None = None, pool_factor: int = 4, strata: int = 4,
+                 encoder: str | None = None, pool_factor: int = 4, strata: int = 4, strategy: str = "active",
                  progress: Callable[[str], None] = print) -> dict:
-    """Choose ``n`` turns of ``logs`` to label (``kept_apart`` of them, default a fifth, as the kept-apart slice)
-    and write the queue to ``out``; returns the summary also written as ``<out>/queue.json``."""
+    """Choose ``n`` turns of ``logs`` to label (``kept_apart`` of them, default a fifth, as the kept-apart slice;
+    the others by ``strategy``: ``active`` or ``random``) and write the queue to ``out``; returns the summary also
+    written as ``<out>/queue.json``."""
+    from clarifier.core.selection import STRATEGIES
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
     if n < 1:
         raise ValueError(f"n={n}: queue at least one turn")
     k = max(1, round(n / 5)) if kept_apart is None else kept_apart
@@ -98,7 +105,8 @@ def select_queue(cfg: ClarifierConfig, *, logs: str, out: str, n: int = 100, kep
     if not out:
         raise ValueError("no output: pass --out (a folder or s3:// prefix for the queue)")
     try:
-        return _select(cfg, logs, out, n, k, model_uri, labelled or [], seed, encoder, pool_factor, strata, progress)
+        return _select(cfg, logs, out, n, k, model_uri, labelled or [], seed, encoder, pool_factor, strata, strategy,
+                       progress)
     except (ValueError, FileNotFoundError, QueueError):
         raise
     except Exception as exc:
@@ -109,12 +117,13 @@ def select_queue(cfg: ClarifierConfig, *, logs: str, out: str, n: int = 100, kep
                          f"{logs!r}, output {out!r}: rerun once the cause is fixed") from exc
 
 
-def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_factor, strata, progress) -> dict:
+def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_factor, strata, strategy,
+            progress) -> dict:
     import ray.data
     from ray.data.expressions import col
 
     from clarifier.core.schema import Example
-    from clarifier.core.selection import active_selection, kept_apart_slice
+    from clarifier.core.selection import kept_apart_slice, select_part
     from clarifier.data.audit_stages import (FILE_COUNTS, QUARANTINE_COLUMNS, first_record_is_request_log,
                                              read_log_turns)
     from clarifier.data.pipeline import SUFFIXES
@@ -234,10 +243,10 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
         progress(f"[label] embedding the {len(indexes)} turns nearest the threshold for the diversity clusters")
         return SentenceEncoder(encoder).encode([turn_text(ex[i]) for i in indexes])
 
-    active, clusters = active_selection(ids, scores, meta.threshold, rest, n - len(kept), embed, seed=seed,
-                                        pool_factor=pool_factor)
+    active, clusters = select_part(strategy, ids, scores, meta.threshold, rest, n - len(kept), embed, seed=seed,
+                                   pool_factor=pool_factor)
     cluster_of = dict(zip(active, clusters))
-    order = interleave(active, kept)
+    order = interleave(active, kept, strategy)
     examples = fetch([i for _, i in order])
     lines = []
     for pos, (part, i) in enumerate(order, 1):
@@ -253,8 +262,8 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
     prelabels = [p for p in prelabels if p]
     summary = {
         "logs": logs, "output": out, "model_uri": model_uri, "model_version": resolved.version,
-        "threshold": meta.threshold, "seed": seed, "n": len(order), "asked": n,
-        "active": len(active), "kept_apart": len(kept), "clusters": len(set(clusters)),
+        "threshold": meta.threshold, "seed": seed, "n": len(order), "asked": n, "strategy": strategy,
+        strategy: len(active), "kept_apart": len(kept), "clusters": len(set(clusters)),
         "pool_factor": pool_factor, "strata": strata, "encoder": encoder or "all-MiniLM-L6-v2",
         "counts": {"files": len(files), "records": counts["n_lines"], "quarantined": counts["n_quarantined"],
                    "turns": len(rows), "labelled_in_logs": gold_in_logs, "skipped_as_labelled_or_queued":
@@ -267,9 +276,10 @@ def _select(cfg, logs, out, n, k, model_uri, labelled, seed, encoder, pool_facto
         "seconds": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"),
     }
     storage.write_text(storage.join(out, MANIFEST), json.dumps(summary, indent=1) + "\n")
-    progress(f"[label] queued {len(order)} turns -> {summary['queue']}: {len(active)} near the threshold over "
-             f"{summary['clusters']} clusters, {len(kept)} kept apart for the estimate (one per conversation, "
-             f"stratified by score)"
+    chosen = (f"{len(active)} drawn at random" if strategy == "random" else
+              f"{len(active)} near the threshold over {summary['clusters']} clusters")
+    progress(f"[label] queued {len(order)} turns -> {summary['queue']}: {chosen}, {len(kept)} kept apart for the "
+             f"estimate (one per conversation, stratified by score)"
              + (f"; {len(prelabels)} carry a pre-label from what happened next {summary['prelabelled']['by_rule']}"
                 if request_log else ""))
     return summary
