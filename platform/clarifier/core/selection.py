@@ -14,8 +14,8 @@ is decided by a hash of the seed and the turn's or conversation's id):
   of a sentence embedding of the turn (k-means), the most uncertain turn of each cluster -- so 50 labels do not
   land on one topic; or, with the ``random`` strategy (:func:`random_selection`), a seeded random draw of the
   other turns. Measured on public sources left out of training (docs: results/active-vs-random): the active part
-  beat random labels where few turns need a question (PACIFIC, 17%) and lost to them where about half do (CLAQUA,
-  43%), because the turns near a threshold set at 10% over-asking are mostly turns that need one.
+  beat random labels where few turns need a question (PACIFIC) and lost to them where about half do (CLAQUA):
+  near a threshold set at 10% over-asking most turns need one, a gain when they are rare, a bias when they are not.
 """
 
 from __future__ import annotations

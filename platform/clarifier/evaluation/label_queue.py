@@ -19,8 +19,8 @@
    (``strategy="random"``);
 4. write ``<out>/queue.jsonl``: one turn per line in labelling order (the two parts interleaved, so any prefix
    labelled holds both in proportion), each an evaluation-set record without its label -- ``id``, ``history``,
-   ``query``, ``passages``, and ``meta.queue`` (``part``: ``active``, ``random`` or ``kept_apart``, the score, threshold,
-   cluster, source file and line). Adding ``needs_clarification`` (and a question, or ``decision_only: true``)
+   ``query``, ``passages``, and ``meta.queue`` (``part``: ``active``, ``random`` or ``kept_apart``, the score,
+   threshold, cluster, source file and line). Adding ``needs_clarification`` (and a question, or ``decision_only: true``)
    to a line makes it a labelled turn ``clarifier adapt`` reads; ``<out>/queue.json`` records how the queue was
    chosen.
 
